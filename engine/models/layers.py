@@ -1,0 +1,142 @@
+"""Building blocks shared by the model families: norms, linears, attention, activations.
+
+Linears are small modules with one `forward` so that a compiled EXL3 kernel can later replace
+`QuantLinear.forward` without the model code noticing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ConfigError
+from engine.formats.exl3 import EXL3Tensors
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32.
+
+    `unit_offset` is Gemma's convention: the stored weight w is applied as (1 + w), and the
+    product is taken before casting back; Llama-style casts first, then multiplies by w.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class DenseLinear(nn.Module):
+    """y = x·Wᵀ + b with an HF-layout weight [out, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QuantLinear(DenseLinear):
+    """An EXL3 linear on the torch path.
+
+    The original-basis weight W = diag(suh)·H·Ŵ·H·diag(svh) is reconstructed once at load and
+    then used as a plain dense matmul. EXL3 pads `in` and `out` to multiples of 128; the padded
+    rows of W only ever meet zero-extended inputs and the padded columns are trimmed from the
+    output, so slicing W to the logical [in, out] is exactly the same computation. The EXL3
+    tensors stay attached (`.exl3`) for a kernel that works on the compressed form.
+    """
+
+    def __init__(self, exl3: EXL3Tensors, in_features: int, out_features: int, dtype: torch.dtype):
+        w = exl3.dense_weight(torch.float32)[:in_features, :out_features]
+        bias = None
+        if exl3.bias is not None:
+            bias = exl3.bias[:out_features].to(dtype)
+            if bias.numel() < out_features:  # a bias stored unpadded and shorter than out: zero-extend
+                bias = F.pad(bias, (0, out_features - bias.numel()))
+        super().__init__(w.t().contiguous().to(dtype), bias)
+        self.exl3 = exl3
+        self.bits = exl3.K
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q [B, H, T, D]; k, v [B, Hkv, S, D] with the T queries at the last T of the S positions.
+    `mask` is a bool [T, S] (True = may attend) or None for plain causal attention.
+    Soft-capping (Gemma 2) squashes the scores before softmax, which SDPA cannot do, so that
+    case runs the same math by hand.
+    """
+    groups = q.shape[1] // k.shape[1]
+    T, S = q.shape[2], k.shape[2]
+    if softcap is None:
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        if T == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(S - T, T, None, q.device), scale=scale)
+
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = causal_mask(S - T, T, None, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def causal_mask(start: int, length: int, window: int | None, device: torch.device | str) -> torch.Tensor:
+    """bool [length, start+length]: query at position p sees keys at p-window < k <= p."""
+    q_pos = torch.arange(start, start + length, device=device)[:, None]
+    k_pos = torch.arange(start + length, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def attention_mask(start: int, length: int, window: int | None, device: torch.device | str) -> torch.Tensor | None:
+    """The mask `attention` needs, or None when plain causal attention is the same thing."""
+    if window is None or start + length <= window:
+        return None
+    return causal_mask(start, length, window, device)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(f"unsupported activation '{name}' (supported: {', '.join(ACTIVATIONS)})") from None
