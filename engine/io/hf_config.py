@@ -153,7 +153,7 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
         raise UnsupportedArchitecture(
             f"unsupported architecture {arch}; supported: {', '.join(sorted(ARCHITECTURE_FAMILIES))}")
 
-    text = _text_fields(raw, arch, source)
+    text = _text_fields(raw, source)
     f = _Fields(text, _defaults_for(family, arch), source)
 
     hidden = f.int("hidden_size")
@@ -197,8 +197,9 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
         hidden_act=act,
         rope=rope,
         local_rope=local_rope,
-        qkv_bias=True if family == "qwen2" else attention_bias,
-        o_bias=attention_bias if family in ("llama", "mistral", "gemma2", "gemma3") else False,
+        # Qwen2 always has q/k/v biases; Mistral never has any; the rest follow attention_bias.
+        qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
+        o_bias=False if family in ("qwen2", "mistral") else attention_bias,
         mlp_bias=f.bool("mlp_bias", default=False) if family == "llama" else False,
         qk_norm=family in ("qwen3", "gemma3"),
         sliding_window=window,
@@ -215,7 +216,7 @@ def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:
 # helpers
 
 
-def _text_fields(raw: dict, arch: str, source: str) -> dict:
+def _text_fields(raw: dict, source: str) -> dict:
     """The dict that holds the language model's fields.
 
     Multimodal configs nest them under `text_config` (Gemma 3 always, Qwen2.5-VL in newer saves);
@@ -314,7 +315,9 @@ def _parse_attention_pattern(text: dict, family: str, layers: int, f: _Fields,
     elif family == "mistral":
         types = (SLIDING_ATTENTION,) * layers  # Mistral's window (if any) applies to every layer
     elif family in ("qwen2", "qwen3"):
-        first_sliding = f.int("max_window_layers", default=layers) if window is not None else layers
+        # transformers' defaults when the key is absent: 28 (Qwen2/3), 80 (Qwen2.5-VL)
+        default_first = 80 if str(text.get("model_type") or "").startswith("qwen2_5_vl") else 28
+        first_sliding = f.int("max_window_layers", default=default_first) if window is not None else layers
         types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers))
     elif family == "gemma2":
         types = tuple(SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(layers))

@@ -69,6 +69,19 @@ class QuantLinear(DenseLinear):
         self.bits = exl3.K
 
 
+def _sdpa_supports_gqa() -> bool:
+    """torch >= 2.5 attends grouped KV heads without copying them (`enable_gqa`)."""
+    try:
+        x = torch.zeros(1, 2, 1, 8)
+        F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+SDPA_GQA = _sdpa_supports_gqa()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float, softcap: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads.
@@ -80,21 +93,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     groups = q.shape[1] // k.shape[1]
     T, S = q.shape[2], k.shape[2]
+    if mask is None and T > 1 and T != S:
+        mask = causal_mask(S - T, T, None, q.device)
+
     if softcap is None:
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        kwargs = {"scale": scale}
+        if groups > 1 and SDPA_GQA:
+            kwargs["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        if T == 1:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale)
-        if T == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(S - T, T, None, q.device), scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+        # T == 1 sees every cached position; T == S is the plain causal square
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, **kwargs)
 
     if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
@@ -140,3 +154,15 @@ def activation(name: str):
         return ACTIVATIONS[name]
     except KeyError:
         raise ConfigError(f"unsupported activation '{name}' (supported: {', '.join(ACTIVATIONS)})") from None
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama/Qwen/Mistral, GeGLU for Gemma."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: str):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,110 @@
+"""Llama-style decoder: Llama, Mistral, Qwen2/2.5 (+VL text), Qwen3.
+
+One pre-norm transformer with switches from ModelConfig: q/k/v (and o) biases, Qwen3's
+per-head q/k RMSNorm, a tied or separate head, sliding-window layers.
+
+    x = embed(ids)
+    for each layer:
+        x = x + o_proj(attention(rope(q), rope(k), v))     on input_layernorm(x)
+        x = x + down(silu(gate(h)) * up(h))                with h = post_attention_layernorm(x)
+    logits = lm_head(norm(x))
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.contiguous import KVCache
+from engine.io.hf_config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.layers import GatedMLP, attention, attention_mask
+from engine.models.loading import WeightLoader
+from engine.models.rope import RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = load.linear(f"{key}.q_proj", c.hidden_size, q_size, bias=c.qkv_bias)
+        self.k_proj = load.linear(f"{key}.k_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
+        self.v_proj = load.linear(f"{key}.v_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
+        self.o_proj = load.linear(f"{key}.o_proj", q_size, c.hidden_size, bias=c.o_bias)
+        self.q_norm = load.norm(f"{key}.q_norm", c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = load.norm(f"{key}.k_norm", c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.window = c.window_for_layer(layer)
+        self.scale = c.attention_scale
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        out = attention(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
+        super().__init__()
+        self.input_layernorm = load.norm(f"{key}.input_layernorm", c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer, load, f"{key}.self_attn")
+        self.post_attention_layernorm = load.norm(f"{key}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps)
+        inter = c.intermediate_size
+        self.mlp = GatedMLP(
+            load.linear(f"{key}.mlp.gate_proj", c.hidden_size, inter, bias=c.mlp_bias),
+            load.linear(f"{key}.mlp.up_proj", c.hidden_size, inter, bias=c.mlp_bias),
+            load.linear(f"{key}.mlp.down_proj", inter, c.hidden_size, bias=c.mlp_bias),
+            c.hidden_act,
+        )
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(CausalLM):
+    def __init__(self, c: ModelConfig, load: WeightLoader, prefix: str = "model.", head_key: str = "lm_head",
+                 progress: Callable[[int, int], None] | None = None):
+        super().__init__(c, load.device, load.dtype)
+        total = c.num_layers + 2
+        self.embed_tokens = load.embedding(f"{prefix}embed_tokens", c.vocab_size, c.hidden_size)
+        self.rotary = RotaryEmbedding(c.rope, c.head_dim).to(load.device)
+        layers = []
+        for i in range(c.num_layers):
+            layers.append(DecoderLayer(c, i, load, f"{prefix}layers.{i}"))
+            if progress:
+                progress(i + 1, total)
+        self.layers = nn.ModuleList(layers)
+        self.norm = load.norm(f"{prefix}norm", c.hidden_size, c.rms_norm_eps)
+        self.lm_head = load.head(head_key, self.embed_tokens, c.hidden_size, c.vocab_size, c.tie_word_embeddings)
+        if progress:
+            progress(total, total)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = self._start(input_ids, cache)
+        T = input_ids.shape[1]
+        positions = torch.arange(start, start + T, device=self.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
+
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
+        logits = self.lm_head(self.norm(x)).float()
+
+        if cache is not None:
+            cache.advance(T)
+        return logits

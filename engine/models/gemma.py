@@ -1,0 +1,130 @@
+"""Gemma 2 and Gemma 3 (text): the Llama recipe with Gemma's changes.
+
+- every RMSNorm applies (1 + w), and each block norms both before *and after* attention and MLP;
+- the embedding is multiplied by √hidden (rounded to the checkpoint's dtype, as Gemma does);
+- attention scores are scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5;
+- Gemma 2: scores soft-capped with tanh, logits soft-capped too, sliding/global layers alternate;
+- Gemma 3: q/k RMSNorm per head, a sliding/global pattern (5:1 by default) whose sliding layers
+  use their own rope base (rope_local_base_freq), no attention soft-capping.
+
+    x = embed(ids) * √hidden
+    for each layer:
+        x = x + post_attention_norm(o_proj(attention(...)))   on input_layernorm(x)
+        x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
+    logits = softcap(lm_head(norm(x)))
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.contiguous import KVCache
+from engine.io.hf_config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.layers import GatedMLP, attention, attention_mask
+from engine.models.loading import WeightLoader
+from engine.models.rope import RotaryEmbedding, apply_rope
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = load.linear(f"{key}.q_proj", c.hidden_size, q_size, bias=c.qkv_bias)
+        self.k_proj = load.linear(f"{key}.k_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
+        self.v_proj = load.linear(f"{key}.v_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
+        self.o_proj = load.linear(f"{key}.o_proj", q_size, c.hidden_size, bias=c.o_bias)
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            self.q_norm = load.norm(f"{key}.q_norm", c.head_dim, c.rms_norm_eps, unit_offset=True)
+            self.k_norm = load.norm(f"{key}.k_norm", c.head_dim, c.rms_norm_eps, unit_offset=True)
+        self.window = c.window_for_layer(layer)
+        self.is_local = c.local_rope is not None and c.rope_for_layer(layer) is c.local_rope
+        self.scale = c.attention_scale
+        self.softcap = c.attn_logit_softcapping
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        out = attention(q, k, v, mask, self.scale, self.softcap)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
+        super().__init__()
+        h, eps = c.hidden_size, c.rms_norm_eps
+        self.input_layernorm = load.norm(f"{key}.input_layernorm", h, eps, unit_offset=True)
+        self.self_attn = GemmaAttention(c, layer, load, f"{key}.self_attn")
+        self.post_attention_layernorm = load.norm(f"{key}.post_attention_layernorm", h, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = load.norm(f"{key}.pre_feedforward_layernorm", h, eps, unit_offset=True)
+        self.mlp = GatedMLP(
+            load.linear(f"{key}.mlp.gate_proj", h, c.intermediate_size),
+            load.linear(f"{key}.mlp.up_proj", h, c.intermediate_size),
+            load.linear(f"{key}.mlp.down_proj", c.intermediate_size, h),
+            c.hidden_act,
+        )
+        self.post_feedforward_layernorm = load.norm(f"{key}.post_feedforward_layernorm", h, eps, unit_offset=True)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaLM(CausalLM):
+    def __init__(self, c: ModelConfig, load: WeightLoader, prefix: str = "model.", head_key: str = "lm_head",
+                 progress: Callable[[int, int], None] | None = None):
+        super().__init__(c, load.device, load.dtype)
+        total = c.num_layers + 2
+        embed_key = f"{prefix}embed_tokens"
+        self.embed_tokens = load.embedding(embed_key, c.vocab_size, c.hidden_size)
+        # Gemma computes √hidden in the embedding's dtype (55.4256 becomes 55.5 in bf16).
+        stored = load.stored_dtype(f"{embed_key}.weight")
+        self.embed_scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=stored))
+        self.rotary_global = RotaryEmbedding(c.rope, c.head_dim).to(load.device)
+        self.rotary_local = RotaryEmbedding(c.local_rope, c.head_dim).to(load.device) if c.local_rope else None
+        layers = []
+        for i in range(c.num_layers):
+            layers.append(GemmaLayer(c, i, load, f"{prefix}layers.{i}"))
+            if progress:
+                progress(i + 1, total)
+        self.layers = nn.ModuleList(layers)
+        self.norm = load.norm(f"{prefix}norm", c.hidden_size, c.rms_norm_eps, unit_offset=True)
+        self.lm_head = load.head(head_key, self.embed_tokens, c.hidden_size, c.vocab_size, c.tie_word_embeddings)
+        self.final_softcap = c.final_logit_softcapping
+        if progress:
+            progress(total, total)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = self._start(input_ids, cache)
+        T = input_ids.shape[1]
+        positions = torch.arange(start, start + T, device=self.device)
+        rope_global = self.rotary_global(positions, self.dtype)
+        rope_local = self.rotary_local(positions, self.dtype) if self.rotary_local else rope_global
+        masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
+
+        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        for layer in self.layers:
+            cos, sin = rope_local if layer.self_attn.is_local else rope_global
+            x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
+        logits = self.lm_head(self.norm(x)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+        if cache is not None:
+            cache.advance(T)
+        return logits
