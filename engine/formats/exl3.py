@@ -94,7 +94,7 @@ def _state_gather(K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     start = (ends - 16) % nbits
     w0 = start // 16
     w1 = (w0 + 1) % (nbits // 16)
-    shift = 16 - start % 16
+    shift = (16 - start % 16).to(torch.int32)  # int32 keeps the shift from promoting to int64
     return w0, w1, shift
 
 
@@ -131,10 +131,10 @@ def pack_symbols(states: torch.Tensor, K: int) -> torch.Tensor:
 def decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
     """Packed tiles [..., 16K] -> fp16 values [..., 16, 16] in (row, col) tile order."""
     states = unpack_states(trellis)
-    values = codebook_lut(codebook, trellis.device)[states.long()]
-    out = torch.empty_like(values)
-    out[..., STREAM_TO_TILE.to(trellis.device)] = values
-    return out.reshape(*values.shape[:-1], TILE, TILE)
+    # Reorder states to tile order first, then look values up: gathers beat a scatter.
+    states = states[..., TILE_TO_STREAM.to(trellis.device)]
+    values = codebook_lut(codebook, trellis.device)[states]
+    return values.reshape(*values.shape[:-1], TILE, TILE)
 
 
 def reconstruct(trellis: torch.Tensor, codebook: str, max_tiles: int = 1 << 16) -> torch.Tensor:
@@ -176,11 +176,17 @@ def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     n = x.shape[dim]
     if n % HADAMARD_SIZE:
         raise FormatError(f"Hadamard dimension {n} is not a multiple of {HADAMARD_SIZE}")
-    xt = x.float().movedim(dim, -1)
-    shape = xt.shape
-    h = hadamard_matrix(HADAMARD_SIZE, xt.device)
-    y = (xt.reshape(*shape[:-1], n // HADAMARD_SIZE, HADAMARD_SIZE) @ h).reshape(shape)
-    return y.movedim(-1, dim)
+    h = hadamard_matrix(HADAMARD_SIZE, x.device)
+    if dim == x.dim() - 1:
+        return (x.float().reshape(-1, HADAMARD_SIZE) @ h).reshape(x.shape)
+    # Along another axis: blocks of 128 along `dim`; one flat matmul is far faster than a
+    # batched one over a strided view.
+    pre = 1
+    for s in x.shape[:dim]:
+        pre *= s
+    blocks = x.float().reshape(pre, n // HADAMARD_SIZE, HADAMARD_SIZE, -1)
+    y = torch.matmul(h, blocks)  # h is symmetric: H @ block == (block^T @ H)^T
+    return y.reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ Events (worker -> client)
 ``result``    a command other than generate finished: ``command`` names it, ``data`` holds its
               answer (load: model info; plan: the plan; download: the local folder; ...).
 
+If the process dies, the client synthesizes an ``error`` with code "worker_died" (see the
+reference client without Qt, engine/worker/client.py, which the tests drive).
+
 Example exchange::
 
     <- {"type": "hello", "id": null, "protocol": 1, "engine_version": "0.1.0", ...}
@@ -253,6 +256,7 @@ class Plan(Message):
     context: int = 4096
     batch: int = 1
     cache_bits: Optional[list[int]] = None
+    revision: Optional[str] = None  # hub branch, for a repo id
 
 
 @dataclass
@@ -267,6 +271,9 @@ class Convert(Message):
     work_dir: Optional[str] = None
     resume: bool = True
     codebook: Optional[str] = None  # "mul1" | "mcg" | "3inst"
+    cal_rows: Optional[int] = None  # calibration size (None: the converter's defaults)
+    cal_cols: Optional[int] = None
+    device: Optional[str] = None    # "auto", "cpu", "cuda:N"
 
 
 @dataclass
@@ -368,7 +375,8 @@ def encode(message: Message) -> str:
 
 def decode(line: Union[str, bytes], kinds: Optional[dict[str, type[Message]]] = None) -> Message:
     """Parse one line into its message class. ``kinds`` limits the accepted types (COMMANDS on
-    the worker side, EVENTS on the client side); by default both are accepted."""
+    the worker side, EVENTS on the client side). Pass it: "status" is both a command and an
+    event, and without `kinds` it decodes as the event."""
     if isinstance(line, bytes):
         try:
             line = line.decode("utf-8")
