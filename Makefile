@@ -24,8 +24,12 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# With a screen: the desktop app. Without one (no DISPLAY/WAYLAND_DISPLAY): the engine answers a
+# prompt with the starter model on the CPU. RUN_ARGS runs any other `trellis` command.
 run: $(STAMP)
-	$(BIN)/trellis $(RUN_ARGS)
+	@if [ -n "$(RUN_ARGS)" ]; then $(BIN)/trellis $(RUN_ARGS); \
+	elif [ -n "$$DISPLAY$$WAYLAND_DISPLAY" ] || [ "$$(uname)" = Darwin ]; then $(BIN)/trellis; \
+	else echo "no screen found: running the engine on the starter model instead of the app"; $(BIN)/trellis starter; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

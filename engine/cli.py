@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.errors import ConfigError, ModelLoadError, TrellisError
 
-COMMAND_MODULES = ["engine.convert_cli", "engine.worker.serve_cli", "engine.plan_cli", "bench.cli"]
+COMMAND_MODULES = ["engine.starter", "engine.convert_cli", "engine.worker.serve_cli", "engine.plan_cli", "bench.cli"]
 PROG = "trellis"
 APP_INSTALL_HINT = "the desktop app is not installed; install it with `pip install -e '.[app]'` (PySide6), or see `trellis --help`"
 
