@@ -54,16 +54,18 @@ def parse_gpu_mem(text: str | None) -> list[int]:
 
 def spec_from_hub(repo_id: str, revision: str | None = None) -> planner.ModelSpec:
     """config.json from the hub; weight bytes from the repo's file sizes when the hub lists them."""
+    import os
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
     try:
         from huggingface_hub import HfApi, hf_hub_download
-        cfg_path = hf_hub_download(repo_id, "config.json", revision=revision)
+        cfg_path = hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint)
         cfg = json.loads(Path(cfg_path).read_text())
     except Exception as e:  # network, missing repo, bad JSON: all one line for the user
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"cannot read config.json of {repo_id!r} from the hub: {reason}") from None
     spec = planner.spec_from_config(cfg, name=repo_id)
     try:
-        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, files_metadata=True)
         sizes = [s.size for s in (info.siblings or []) if s.rfilename.endswith(".safetensors") and s.size]
         if sizes:
             spec.weight_bytes = int(sum(sizes))

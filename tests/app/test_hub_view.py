@@ -1,0 +1,228 @@
+"""Hub browser pane (app/views/hub_view.py) against the fake hub (tests/fakehub.py) and the real
+engine process: search with EXL3 first, card summary, revisions with size and fit badge, a
+download cut mid-file and resumed by a new pane (as after a restart) to checksum-verified files
+in the library, pause, cancel, a repo that does not exist, and a full disk before and during a
+download (the latter simulated inside the engine process)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from app import settings
+from app.engine_client import EngineClient
+from app.hub_info import card_summary
+from app.views.hub_view import HubPane
+from tests.fakehub import FakeHub
+
+README = b"""---
+license: apache-2.0
+base_model: meta/tiny
+tags:
+- exl3
+---
+# Tiny EXL3
+
+![logo](logo.png)
+
+A **tiny** Llama quantized to [EXL3](https://example.com), for tests.
+
+More text that is not the summary.
+"""
+
+# The engine process with writes of partial downloads failing like a full disk, for one repo only.
+DISK_FULL_WORKER = r"""
+import builtins, errno, runpy, sys
+import engine.hub as h
+real_open = builtins.open
+class FullDisk:
+    def __init__(self, f): self.f = f
+    def __enter__(self): return self
+    def __exit__(self, *a): self.f.close()
+    def write(self, b): raise OSError(errno.ENOSPC, "No space left on device")
+def fake_open(path, mode="r", *a, **k):
+    f = real_open(path, mode, *a, **k)
+    if "diskfull" in str(path) and str(path).endswith(".part") and ("a" in mode or "w" in mode):
+        return FullDisk(f)
+    return f
+h.open = fake_open
+sys.argv = ["engine.worker"]
+runpy.run_module("engine.worker", run_name="__main__")
+"""
+
+
+@pytest.fixture
+def hub_env(monkeypatch, ref_fixtures, tmp_path):
+    with FakeHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        exl3 = ref_fixtures / "exl3"
+        cfg = json.loads((exl3 / "llama-4.0bpw-mul1-h6" / "config.json").read_text())
+        h.add_repo("turbo/tiny-exl3", {"main": {"README.md": README},
+                                       "4.0bpw": FakeHub.read_folder(exl3 / "llama-4.0bpw-mul1-h6"),
+                                       "2.5bpw": FakeHub.read_folder(exl3 / "llama-2.5bpw-mcg-h4")},
+                   hub_tags=["exl3"], downloads=10, likes=3, config=cfg)
+        h.add_repo("meta/tiny", {"main": FakeHub.read_folder(ref_fixtures / "hf" / "llama")}, downloads=999,
+                   config={"architectures": ["LlamaForCausalLM"]})
+        h.add_repo("turbo/tiny-diskfull-exl3", {"4.0bpw": FakeHub.read_folder(exl3 / "llama-4.0bpw-mul1-h6")},
+                   hub_tags=["exl3"], config=cfg)
+        settings.set_model_folders([str(tmp_path / "models")])
+        yield h
+
+
+@pytest.fixture
+def engine(qtbot, hub_env):
+    """The real engine process (download runs there), with the full-disk simulation for one repo."""
+    c = EngineClient([sys.executable, "-c", DISK_FULL_WORKER], env={"HF_ENDPOINT": hub_env.url})
+    with qtbot.waitSignal(c.ready, timeout=60000):
+        c.start()
+    yield c
+    c.close()
+
+
+def rows_by_name(pane):
+    m = pane.revisions
+    return {r.name: [m.data(m.index(i, c)) for c in range(m.columnCount())] for i, r in enumerate(m.items)}
+
+
+def wait_state(qtbot, item, *states, timeout=60000):
+    qtbot.waitUntil(lambda: item.state in states, timeout=timeout)
+
+
+def test_card_summary_reads_front_matter_and_first_paragraph():
+    meta, text = card_summary(README.decode())
+    assert meta["license"] == "apache-2.0" and meta["tags"] == ["exl3"]
+    assert text == "A tiny Llama quantized to EXL3, for tests."
+
+
+@pytest.mark.slow   # one engine process (torch import) and several downloads: ~15 s on 2 busy cores
+def test_search_revisions_download_pause_resume_cancel(qtbot, hub_env, engine, tmp_path):
+    pane = HubPane(engine)
+    qtbot.addWidget(pane)
+    pane.show()
+
+    # search: EXL3 first although the other model has far more downloads
+    pane.query.setText("tiny")
+    with qtbot.waitSignal(pane.searched, timeout=20000):
+        pane.search()
+    assert [r.id for r in pane.results.items] == ["turbo/tiny-exl3", "turbo/tiny-diskfull-exl3", "meta/tiny"]
+    assert pane.results.data(pane.results.index(0, 1)) == "EXL3" and pane.results.data(pane.results.index(2, 1)) == "HF"
+    pane.exl3_only.setChecked(True)
+    assert [r.id for r in pane.results.items] == ["turbo/tiny-exl3", "turbo/tiny-diskfull-exl3"]
+
+    # a repo: card summary, one row per revision with size and fit badge
+    with qtbot.waitSignal(pane.repo_shown, timeout=30000):
+        pane.results_view.selectRow(0)
+    card = pane.card.text()
+    assert "turbo/tiny-exl3" in card and "A tiny Llama quantized to EXL3, for tests." in card
+    assert "apache-2.0" in card and "EXL3" in card and "LlamaForCausalLM" in card
+    rows = rows_by_name(pane)
+    assert set(rows) == {"main", "2.5bpw", "4.0bpw"}
+    src = hub_env.repos["turbo/tiny-exl3"].branches
+    assert rows["4.0bpw"][1] == "4.00" and rows["2.5bpw"][1] == "2.50" and rows["4.0bpw"][2] == "6"
+    size = lambda b: sum(len(v) for v in src[b].values())
+    four = next(r for r in pane.revisions.items if r.name == "4.0bpw")
+    assert four.total_bytes == size("4.0bpw") and four.total_bytes > size("2.5bpw")
+    assert rows["4.0bpw"][5].startswith("fits · ") and rows["main"][5] == "no weights"
+    assert four.plan.weights_exact and four.plan.weights == len(src["4.0bpw"]["model.safetensors"])
+    assert "context" in pane.fit_note.text()
+
+    # download 4.0bpw; the first transfer of the weights drops mid-body
+    cut = {"done": False}
+
+    def cut_after(path, start):
+        if path == "model.safetensors" and not cut["done"]:
+            cut["done"] = True
+            return 100_000
+        return None
+    hub_env.cut_after = cut_after
+    pane.revisions_view.selectRow([r.name for r in pane.revisions.items].index("4.0bpw"))
+    pane.download_selected()
+    item = pane.downloads.find("turbo/tiny-exl3", "4.0bpw")
+    wait_state(qtbot, item, "failed", "done")
+    assert item.state == "failed" and "resume" in item.message.lower()
+    local = tmp_path / "models" / "turbo--tiny-exl3--4.0bpw"
+    assert not (local / "model.safetensors").exists()
+
+    # a new pane, as after restarting the app: the download is listed and resumes where it stopped
+    pane2 = HubPane(engine)
+    qtbot.addWidget(pane2)
+    item2 = pane2.downloads.find("turbo/tiny-exl3", "4.0bpw")
+    assert item2 is not None and item2.state == "failed" and pane2.downloads_model.rowCount() == 1
+    pane2.downloads_view.selectRow(0)
+    assert pane2.pause_button.text() == "Resume" and pane2.pause_button.isEnabled()
+    pane2.pause_button.click()
+    wait_state(qtbot, item2, "done", "failed")
+    assert item2.state == "done" and item2.verified, item2.message
+    for name, data in src["4.0bpw"].items():
+        assert (local / name).read_bytes() == data
+    ranges = [r for m, p, r in hub_env.requests if p.endswith("4.0bpw/model.safetensors") or
+              (p.endswith("/model.safetensors") and m == "GET" and r)]
+    assert "bytes=100000-" in ranges, "the resume continues where the cut left off"
+    assert "checksums" in pane2.downloads_model.data(pane2.downloads_model.index(0, 4))
+    assert "match the hub's checksums" in item2.message
+
+    # verify again: markers dropped, every file hashed again in the engine, still done
+    pane2.verify_button.click()
+    assert item2.state == "verifying"
+    wait_state(qtbot, item2, "done", "failed")
+    assert item2.state == "done" and item2.verified
+
+    # pause mid-transfer (a slow server), then cancel: the partial folder is deleted
+    def slow(path, start):
+        time.sleep(0.8)
+        return None
+    hub_env.cut_after = slow
+    item3 = pane2.downloads.start("turbo/tiny-exl3", "2.5bpw", total_bytes=size("2.5bpw"))
+    assert item3.state == "downloading"
+    pane2.downloads_view.selectRow(pane2.downloads.items.index(item3))
+    assert pane2.pause_button.text() == "Pause"
+    qtbot.waitUntil(lambda: item3.message.startswith("downloading"), timeout=30000)   # bytes are flowing
+    pane2.pause_button.click()
+    wait_state(qtbot, item3, "paused", timeout=30000)
+    qtbot.waitUntil(lambda: item3.command_id is None and "Paused at" in item3.message, timeout=30000)
+    partial = tmp_path / "models" / "turbo--tiny-exl3--2.5bpw"
+    assert partial.is_dir() and not (partial / "model.safetensors").exists()
+    pane2.cancel_button.click()
+    assert pane2.downloads.find("turbo/tiny-exl3", "2.5bpw") is None
+    assert not partial.exists(), list(partial.rglob("*"))
+    hub_env.cut_after = None
+
+    # the disk fills up during the transfer: a clear sentence, bytes kept, resumable
+    item4 = pane2.downloads.start("turbo/tiny-diskfull-exl3", "4.0bpw")
+    wait_state(qtbot, item4, "failed", "done")
+    assert item4.message.startswith("The disk is full:") and "press Resume" in item4.message
+    assert "Traceback" not in item4.message
+
+
+def test_missing_repo_full_disk_and_offline_are_clear_messages(qtbot, hub_env, make_client, monkeypatch, tmp_path):
+    client = make_client()                     # the fake engine: nothing here needs the real one
+    pane = HubPane(client)
+    qtbot.addWidget(pane)
+
+    # a repo id that does not exist (typed into the search box)
+    pane.query.setText("nobody/missing-exl3")
+    with qtbot.waitSignal(pane.repo_shown, timeout=20000):
+        pane.search()
+    assert "nobody/missing-exl3" in pane.card.text() and "does not exist" in pane.card.text()
+    assert pane.revisions.rowCount() == 0 and not pane.download_button.isEnabled()
+
+    # not enough free space: refused before the engine is asked
+    import app.downloads as downloads
+    monkeypatch.setattr(downloads, "free_bytes", lambda path: 1000)
+    sent = []
+    monkeypatch.setattr(client, "send", lambda msg: sent.append(msg) or "x")
+    item = pane.downloads.start("turbo/tiny-exl3", "4.0bpw", total_bytes=5 << 20)
+    assert item.state == "failed" and not sent
+    assert item.message.startswith("Not enough disk space: turbo/tiny-exl3@4.0bpw needs 5.0 MB more")
+    assert "1000 B free" in item.message
+
+    # the hub cannot be reached
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    pane.query.setText("anything")
+    with qtbot.waitSignal(pane.searched, timeout=30000):
+        pane.search()
+    assert pane.search_status.text().startswith("Search failed: cannot search the hub: the hub at http://127.0.0.1:9 "
+                                                "cannot be reached")
