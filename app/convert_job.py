@@ -14,6 +14,7 @@ Two runners with one interface (signals `progress(ConvertProgress)` and `finishe
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,6 +93,14 @@ def remember(req: ConversionRequest) -> None:
 
 def forget(out_dir: str) -> None:
     _write_registry([i for i in _read_registry() if i.get("out_dir") != out_dir])
+
+
+def discard(req: ConversionRequest) -> None:
+    """Forget a job and delete its work folder (only a folder that holds a conversion job)."""
+    forget(req.out_dir)
+    work = Path(req.work_dir)
+    if (work / "job.json").is_file():
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def modules_done(work_dir: str | Path) -> Optional[int]:
@@ -255,8 +264,8 @@ class EngineConvert(_Runner):
         if cmd_id and cmd_id == self.command_id:
             # The engine relays the job's module name, or its stage name between modules.
             stage = prog.message if prog.message in ("start", "compile", "done") else ""
-            self.progress.emit(ConvertProgress(stage=stage, fraction=prog.fraction, module="" if stage else prog.message,
-                                               eta_s=prog.eta_s))
+            module = "" if stage else prog.message
+            self.progress.emit(ConvertProgress(stage=stage, fraction=prog.fraction, module=module, eta_s=prog.eta_s))
 
     def _result(self, cmd_id: str, command: str, data) -> None:
         if cmd_id and cmd_id == self.command_id and command == "convert":

@@ -239,7 +239,7 @@ class DownloadManager(QObject):
                                       "downloaded is kept. Press Resume to continue.")
             item.detail = err.message
         else:
-            self._set(item, "failed", _sentence(err.message))
+            self._set(item, "failed", sentence(err.message))
 
     def _on_died(self, _reason: str) -> None:
         for item in self.items:
@@ -274,7 +274,8 @@ class DownloadManager(QObject):
             folder.rmdir()
 
 
-def _sentence(message: str) -> str:
+def sentence(message: str) -> str:
+    """An engine or hub message as a sentence: capital first letter, final full stop."""
     m = message.strip()
     m = m[0].upper() + m[1:] if m else "The download failed."
     return m if m.endswith((".", "!", "?")) else m + "."

@@ -93,7 +93,7 @@ class SourcePage(QWizardPage):
         self.hub_config: Optional[dict] = None
         self.hub_error = ""
         self._seq = 0
-        self._fetches: set = set()
+        self._fetches: dict[int, QRunnable] = {}
 
         # unfinished jobs
         self.unfinished = QListWidget()
@@ -106,7 +106,14 @@ class SourcePage(QWizardPage):
         ub.addWidget(QLabel("<b>Unfinished conversions</b> — they continue where they stopped:"))
         urow = QHBoxLayout()
         urow.addWidget(self.unfinished, 1)
-        urow.addWidget(self.resume_button, 0, Qt.AlignTop)
+        self.discard_button = QPushButton("Discard…")
+        self.discard_button.setToolTip("Delete this job's work folder (the finished modules are lost)")
+        self.discard_button.clicked.connect(self._discard_clicked)
+        ubuttons = QVBoxLayout()
+        ubuttons.addWidget(self.resume_button)
+        ubuttons.addWidget(self.discard_button)
+        ubuttons.addStretch(1)
+        urow.addLayout(ubuttons)
         ub.addLayout(urow)
 
         self.local_radio = QRadioButton("A model folder")
@@ -176,13 +183,26 @@ class SourcePage(QWizardPage):
         if self.unfinished.count():
             self.unfinished.setCurrentRow(0)
             rows = min(self.unfinished.count(), 3)
-            self.unfinished.setFixedHeight(self.unfinished.sizeHintForRow(0) * rows + 2 * self.unfinished.frameWidth() + 4)
+            frame = 2 * self.unfinished.frameWidth() + 8
+            self.unfinished.setFixedHeight(self.unfinished.sizeHintForRow(0) * rows + frame)
         self.unfinished_box.setVisible(self.unfinished.count() > 0)
 
     def _resume_clicked(self) -> None:
         item = self.unfinished.currentItem()
         if item is not None:
             self.wizard().resume_job(item.data(Qt.UserRole))
+
+    def _discard_clicked(self, confirm: bool = True) -> None:
+        item = self.unfinished.currentItem()
+        if item is None:
+            return
+        req = item.data(Qt.UserRole)
+        if confirm and self.wizard().confirm_close and QMessageBox.question(
+                self, "Discard the conversion?", f"Delete {req.work_dir}? The finished modules are lost.") \
+                != QMessageBox.Yes:
+            return
+        J.discard(req)
+        self.refresh_unfinished()
 
     # -- source
     def is_hub(self) -> bool:
@@ -211,16 +231,16 @@ class SourcePage(QWizardPage):
         self._seq += 1
         task = _FetchConfig(self._seq, repo, rev)
         task.setAutoDelete(False)
-        self._fetches.add(task)
-        task.signals.done.connect(lambda seq, cfg, err, t=task: self._fetched(t, seq, cfg, err), Qt.QueuedConnection)
+        self._fetches[self._seq] = task          # kept alive until it answers
+        task.signals.done.connect(self._fetched, Qt.QueuedConnection)
         self.info.setText(f"Reading {repo}@{rev} from the hub…")
         QThreadPool.globalInstance().start(task)
 
-    def _fetched(self, task, seq: int, cfg, err: str) -> None:
-        self._fetches.discard(task)
+    def _fetched(self, seq: int, cfg, err: str) -> None:
+        self._fetches.pop(seq, None)
         if seq != self._seq:
             return
-        self.hub_config, self.hub_error = cfg, err
+        self.hub_config, self.hub_error = cfg, (err[:1].upper() + err[1:] if err else "")
         self.completeChanged.emit()
 
     def path(self) -> str:
@@ -248,6 +268,9 @@ class SourcePage(QWizardPage):
         d = QFileDialog.getExistingDirectory(self, "Model folder", str(Path.home()))
         if d:
             self.combo.setEditText(d)
+
+    def validatePage(self) -> bool:
+        return self.isComplete()          # QWizard.next() alone does not ask isComplete
 
     def isComplete(self) -> bool:
         if self.is_hub():
@@ -344,7 +367,8 @@ class TargetPage(QWizardPage):
 
     def _pick_calibration(self, folder: bool) -> None:
         path = (QFileDialog.getExistingDirectory(self, "Calibration folder", str(Path.home())) if folder else
-                QFileDialog.getOpenFileName(self, "Calibration text", str(Path.home()), "Text (*.txt *.md);;All (*)")[0])
+                QFileDialog.getOpenFileName(self, "Calibration text", str(Path.home()),
+                                            "Text (*.txt *.md);;All files (*)")[0])
         if path:
             self.cal_path.setText(path)
 
@@ -357,6 +381,9 @@ class TargetPage(QWizardPage):
 
     def initializePage(self) -> None:
         self.update_estimate()
+
+    def validatePage(self) -> bool:
+        return self.isComplete()          # QWizard.next() alone does not ask isComplete
 
     def isComplete(self) -> bool:
         if self.calibration.currentData() == "user":
@@ -432,6 +459,9 @@ class OutputPage(QWizardPage):
                                 "from that job are refused by the converter.")
         self.completeChanged.emit()
 
+    def validatePage(self) -> bool:
+        return self.isComplete()          # QWizard.next() alone does not ask isComplete
+
     def isComplete(self) -> bool:
         text = self.output.text().strip()
         if not text:
@@ -480,6 +510,7 @@ class RunPage(QWizardPage):
         client.progress.connect(self._download_progress)
         client.result.connect(self._download_result)
         client.error.connect(self._download_error)
+        client.died.connect(self._engine_died)
 
     # -- start
     def initializePage(self) -> None:
@@ -493,6 +524,7 @@ class RunPage(QWizardPage):
         self.resumed_from = None
         self.request = w.request()
         self.cancel_button.setEnabled(True)
+        self.cancel_button.setVisible(True)
         if w.source.is_hub() and w.preset is None and not (Path(self.request.in_dir) / "config.json").exists():
             self._download_first()
         else:
@@ -561,6 +593,11 @@ class RunPage(QWizardPage):
             self.download_id = None
             self._fail(f"download failed: {err.message}")
 
+    def _engine_died(self, reason: str) -> None:
+        if self.download_id:
+            self.download_id = None
+            self._fail(f"the engine stopped during the download ({reason}); the bytes are kept, try again")
+
     # -- conversion
     def _progress(self, p: ConvertProgress) -> None:
         if p.fraction is not None:
@@ -584,7 +621,12 @@ class RunPage(QWizardPage):
             self.message.setText("Writing the output folder…")
         if p.stage == "module" and p.module:
             r = p.report or {}
-            bits = f" · SQNR {r['sqnr_db']:.1f} dB" if isinstance(r.get("sqnr_db"), (int, float)) else ""
+            if r.get("K") == 16:
+                bits = " · kept at 16 bits"
+            elif isinstance(r.get("sqnr_db"), (int, float)):
+                bits = f" · SQNR {r['sqnr_db']:.1f} dB"
+            else:
+                bits = ""
             secs = f" in {r['seconds']:.1f} s" if isinstance(r.get("seconds"), (int, float)) else ""
             self.log.addItem(f"✓ {p.module}{secs}{bits}")
             self.log.scrollToBottom()
@@ -602,6 +644,7 @@ class RunPage(QWizardPage):
         if ok:
             J.forget(self.request.out_dir)
             self.finished_ok = True
+            self.cancel_button.setVisible(False)
             self.bar.setValue(1000)
             self.stage.setText("Finished")
             self.eta.setText(f"Took {_duration(time.monotonic() - self.started_at)}")

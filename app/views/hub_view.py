@@ -14,12 +14,12 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, QRunnable, QSize, Qt, QThreadPool, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QAbstractItemView, QApplication, QCheckBox, QHBoxLayout, QHeaderView, QLabel,
-                               QLineEdit, QPushButton, QSplitter, QStyle, QStyledItemDelegate,
+from PySide6.QtWidgets import (QAbstractItemView, QApplication, QCheckBox, QComboBox, QHBoxLayout, QHeaderView,
+                               QLabel, QLineEdit, QPushButton, QSplitter, QStyle, QStyledItemDelegate,
                                QStyleOptionProgressBar, QTableView, QVBoxLayout, QWidget)
 
 from app import hub_info, settings
-from app.downloads import DownloadManager
+from app.downloads import DownloadManager, sentence
 from app.icons import icon
 from app.models.hub_models import (DownloadsModel, FractionRole, ItemRole, RevisionsModel, SearchResultsModel,
                                    badge_color)
@@ -101,8 +101,8 @@ class HubPane(QWidget):
         super().__init__(parent)
         self.client = client
         self.library = library
-        self._seq = 0
-        self._calls: set[_Call] = set()
+        self._seq = self._search_seq = self._repo_seq = 0   # answers to older requests are dropped
+        self._calls: dict[int, tuple] = {}     # seq -> (call, on_done, on_failed), kept alive until answered
         self.repo: str | None = None
         self.downloads = DownloadManager(client, parent=self)
 
@@ -113,11 +113,18 @@ class HubPane(QWidget):
         self.query.returnPressed.connect(self.search)
         self.search_button = QPushButton(icon("hub"), "Search")
         self.search_button.clicked.connect(self.search)
+        self.architecture = QComboBox()
+        self.architecture.setEditable(True)
+        self.architecture.addItems(["any architecture", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
+                                    "phi3"])
+        self.architecture.setToolTip("Only models of this architecture (config model_type or class name)")
+        self.architecture.lineEdit().returnPressed.connect(self.search)
         self.exl3_only = QCheckBox("EXL3 only")
         self.exl3_only.setToolTip("EXL3 repos are listed first anyway; this hides the others")
         self.exl3_only.toggled.connect(lambda *_: self._show_results(getattr(self, "_all_results", [])))
         top = QHBoxLayout()
         top.addWidget(self.query, 1)
+        top.addWidget(self.architecture)
         top.addWidget(self.exl3_only)
         top.addWidget(self.search_button)
 
@@ -235,18 +242,26 @@ class HubPane(QWidget):
 
     # ------------------------------------------------------------------ background calls
     def _run(self, fn: Callable[[], object], on_done, on_failed) -> int:
+        """Run fn in the pool; on_done(seq, result) or on_failed(seq, message) runs on this (UI)
+        thread: the signals are connected to this object's methods, delivered queued."""
         self._seq += 1
         call = _Call(self._seq, fn)
         call.setAutoDelete(False)
-        self._calls.add(call)
-
-        def finish(seq, value, handler):
-            self._calls.discard(call)
-            handler(seq, value)
-        call.signals.done.connect(lambda s, v: finish(s, v, on_done), Qt.QueuedConnection)
-        call.signals.failed.connect(lambda s, m: finish(s, m, on_failed), Qt.QueuedConnection)
+        self._calls[self._seq] = (call, on_done, on_failed)
+        call.signals.done.connect(self._call_done, Qt.QueuedConnection)
+        call.signals.failed.connect(self._call_failed, Qt.QueuedConnection)
         QThreadPool.globalInstance().start(call)
         return self._seq
+
+    def _call_done(self, seq: int, value) -> None:
+        _, on_done, _ = self._calls.pop(seq, (None, None, None))
+        if on_done is not None:
+            on_done(seq, value)
+
+    def _call_failed(self, seq: int, message: str) -> None:
+        _, _, on_failed = self._calls.pop(seq, (None, None, None))
+        if on_failed is not None:
+            on_failed(seq, message)
 
     # ------------------------------------------------------------------ search
     def search(self) -> None:
@@ -254,7 +269,10 @@ class HubPane(QWidget):
         self.search_button.setEnabled(False)
         self.search_status.setText("Searching…")
         from engine import hub
-        self._search_seq = self._run(lambda: hub.search_models(text, limit=50), self._searched, self._search_failed)
+        arch = self.architecture.currentText().strip()
+        arch = None if not arch or arch == self.architecture.itemText(0) else arch
+        self._search_seq = self._run(lambda: hub.search_models(text, architecture=arch, limit=50), self._searched,
+                                     self._search_failed)
         if hub_info.looks_like_repo_id(text):
             self.open_repo(text)           # an exact repo id opens at once, found by search or not
 
@@ -311,7 +329,9 @@ class HubPane(QWidget):
         self.card.setText(self._card_html(card))
         self.revisions.set_items(rows)
         if rows:
-            best = next((i for i, r in enumerate(rows) if r.plan is not None and r.plan.fits and r.bits), None)
+            # preselect the highest bitrate that fits (the best quality this machine can hold)
+            fitting = [(r.bits, i) for i, r in enumerate(rows) if r.plan is not None and r.plan.fits and r.bits]
+            best = max(fitting)[1] if fitting else None
             self.revisions_view.selectRow(best if best is not None else 0)
         self._update_fit_note()
         self._update_buttons()
@@ -321,7 +341,7 @@ class HubPane(QWidget):
         if seq != self._repo_seq:
             return
         self.card.setText(f"<b>{html.escape(self.repo or '')}</b><br>"
-                          f"<span style='color:{badge_color('bad')}'>{html.escape(_sentence(message))}</span>")
+                          f"<span style='color:{badge_color('bad')}'>{html.escape(sentence(message))}</span>")
         self.revisions.set_items([])
         self._update_buttons()
         self.repo_shown.emit()
@@ -389,9 +409,15 @@ class HubPane(QWidget):
         self.download_status.setText(item.message)
 
     def _convert_selected(self) -> None:
+        """An unquantized repo: the conversion wizard, starting from this repo and revision."""
         row = self.selected_revision()
-        if row is not None and self.repo:
-            self.convert_requested.emit(self.repo, row.name)
+        if row is None or not self.repo:
+            return
+        self.convert_requested.emit(self.repo, row.name)
+        if self.library is not None and hasattr(self.library, "open_wizard"):
+            self.wizard = self.library.open_wizard(show=False)
+            self.wizard.set_hub_source(self.repo, row.name)
+            self.wizard.show()
 
     def _pause_or_resume(self) -> None:
         item = self._selected_download()
@@ -429,8 +455,3 @@ class HubPane(QWidget):
         self.verify_button.setEnabled(d is not None and d.state == "done")
         self.reveal_button.setEnabled(d is not None)
 
-
-def _sentence(message: str) -> str:
-    m = message.strip()
-    m = m[0].upper() + m[1:] if m else "Something went wrong."
-    return m if m.endswith((".", "!", "?")) else m + "."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,6 @@ from PySide6.QtWidgets import QWizard
 
 from app.views.convert_wizard import ConvertWizard
 
-pytestmark = pytest.mark.slow     # two converter processes (torch import) and one quantized layer: ~30-60 s
 
 
 def tiny_llama(src, out):
@@ -47,6 +47,7 @@ def log_lines(wiz):
     return [wiz.run.log.item(i).text() for i in range(wiz.run.log.count())]
 
 
+@pytest.mark.slow   # two converter processes (torch import) and one quantized layer: ~25 s on 2 cores
 def test_convert_close_resume_finish(qtbot, make_client, ref_fixtures, tmp_path):
     models = tmp_path / "models"
     src = models / "tiny-llama"
@@ -118,6 +119,7 @@ def test_convert_close_resume_finish(qtbot, make_client, ref_fixtures, tmp_path)
     assert J.unfinished() == []
 
 
+@pytest.mark.slow   # the real engine (torch import) and a converter process: ~7 s
 def test_hub_source_downloads_then_converts_through_the_engine(qtbot, make_client, ref_fixtures, tmp_path,
                                                                monkeypatch):
     from tests.fakehub import FakeHub
@@ -171,3 +173,35 @@ def test_hub_source_downloads_then_converts_through_the_engine(qtbot, make_clien
         qtbot.waitUntil(lambda: not wiz.run.running, timeout=30000)
         assert "cancelled" in wiz.run.message.text()
         assert J.modules_done(work) >= 1
+
+
+def test_unfinished_job_listed_and_discarded(qtbot, make_client, ref_fixtures, tmp_path):
+    models = tmp_path / "models"
+    src = models / "llama"
+    shutil.copytree(ref_fixtures / "hf" / "llama", src)
+    stale = J.ConversionRequest(str(src), str(models / "llama-exl3-4bpw-h6"), str(models / ".llama-exl3-4bpw-h6.work"))
+    Path(stale.work_dir).mkdir()
+    (Path(stale.work_dir) / "job.json").write_text(json.dumps({"version": 1, "done": 3}))
+    J.remember(stale)
+    gone = J.ConversionRequest(str(src), str(models / "other"), str(models / ".other.work"))   # no work folder
+    J.remember(gone)
+    wiz = ConvertWizard(make_client(), [("llama", str(src))], str(models), capacity=[])
+    wiz.confirm_close = False
+    qtbot.addWidget(wiz)
+    wiz.show()
+    assert wiz.source.unfinished.count() == 1 and "3 modules done" in wiz.source.unfinished.item(0).text()
+    wiz.source.combo.setEditText(str(tmp_path))              # not a model: Next refuses
+    wiz.next()
+    assert wiz.currentPage() is wiz.source and "config.json" in wiz.source.info.text()
+    wiz.source.combo.setCurrentIndex(0)
+    # the output page says that this work folder will be resumed
+    wiz.next()
+    assert "no free memory known" in wiz.target.estimate.text()
+    wiz.next()
+    wiz.output.work.setText(stale.work_dir)
+    assert "unfinished conversion (3 modules done)" in wiz.output.notice.text() and wiz.output.notice.isVisible()
+    wiz.back()
+    wiz.back()
+    wiz.source.discard_button.click()
+    assert not Path(stale.work_dir).exists() and wiz.source.unfinished.count() == 0
+    assert not wiz.source.unfinished_box.isVisible() and J.unfinished() == []

@@ -111,6 +111,14 @@ def test_search_revisions_download_pause_resume_cancel(qtbot, hub_env, engine, t
     assert pane.results.data(pane.results.index(0, 1)) == "EXL3" and pane.results.data(pane.results.index(2, 1)) == "HF"
     pane.exl3_only.setChecked(True)
     assert [r.id for r in pane.results.items] == ["turbo/tiny-exl3", "turbo/tiny-diskfull-exl3"]
+    pane.architecture.setEditText("qwen2")
+    with qtbot.waitSignal(pane.searched, timeout=20000):
+        pane.search()
+    assert pane.results.rowCount() == 0 and pane.search_status.text() == "No models found."
+    pane.architecture.setCurrentIndex(0)
+    with qtbot.waitSignal(pane.searched, timeout=20000):
+        pane.search()
+    assert pane.results.rowCount() == 2
 
     # a repo: card summary, one row per revision with size and fit badge
     with qtbot.waitSignal(pane.repo_shown, timeout=30000):
@@ -127,6 +135,7 @@ def test_search_revisions_download_pause_resume_cancel(qtbot, hub_env, engine, t
     assert four.total_bytes == size("4.0bpw") and four.total_bytes > size("2.5bpw")
     assert rows["4.0bpw"][5].startswith("fits · ") and rows["main"][5] == "no weights"
     assert four.plan.weights_exact and four.plan.weights == len(src["4.0bpw"]["model.safetensors"])
+    assert pane.selected_revision().name == "4.0bpw"          # the highest bitrate that fits is preselected
     assert "context" in pane.fit_note.text()
 
     # download 4.0bpw; the first transfer of the weights drops mid-body
@@ -198,9 +207,25 @@ def test_search_revisions_download_pause_resume_cancel(qtbot, hub_env, engine, t
 
 
 def test_missing_repo_full_disk_and_offline_are_clear_messages(qtbot, hub_env, make_client, monkeypatch, tmp_path):
+    from app.views.library_view import LibraryPane
     client = make_client()                     # the fake engine: nothing here needs the real one
-    pane = HubPane(client)
+    lib = LibraryPane(client)
+    pane = HubPane(client, lib)
+    qtbot.addWidget(lib)
     qtbot.addWidget(pane)
+
+    # an unquantized repo offers "Convert…": the wizard opens on it, looked up on the hub
+    with qtbot.waitSignal(pane.repo_shown, timeout=20000):
+        pane.open_repo("meta/tiny")
+    assert [r.name for r in pane.revisions.items] == ["main"] and not pane.convert_button.isHidden()
+    with qtbot.waitSignal(pane.convert_requested, timeout=5000) as sig:
+        pane.convert_button.click()
+    assert sig.args == ["meta/tiny", "main"]
+    wiz = pane.wizard
+    qtbot.addWidget(wiz)
+    qtbot.waitUntil(lambda: wiz.source.hub_config is not None, timeout=20000)
+    assert wiz.source.is_hub() and wiz.source.isComplete() and "to download first" in wiz.source.info.text()
+    wiz.close()
 
     # a repo id that does not exist (typed into the search box)
     pane.query.setText("nobody/missing-exl3")
