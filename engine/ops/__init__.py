@@ -1,0 +1,197 @@
+"""Tensor ops with one dispatch each: the CUDA kernels (csrc/) when the extension is available
+and the tensors are fp16 on a CUDA device, the PyTorch reference otherwise.
+
+The reference paths are the specification the kernels are tested against; they run anywhere
+(CPU CI never compiles anything). Set TRELLIS_KERNELS=torch to force the reference on a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engine.formats import exl3 as _fmt
+
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+# Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
+FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
+# MUL1 layers at m <= 8 may use the integer tensor-core path (activations as two int8 passes,
+# about 15 bits). Off until it has passed `pytest -m gpu` on a GPU (TRELLIS_INT8=1 turns it on).
+INT8_PATH = os.environ.get("TRELLIS_INT8", "0") == "1"
+
+_ext = None
+_ext_error: Exception | None = None
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TRELLIS_KERNELS", "auto").lower() not in ("torch", "0", "off", "none")
+
+
+def extension():
+    """The compiled extension (built on first use), or raise KernelBuildError."""
+    global _ext, _ext_error
+    if _ext is None:
+        if _ext_error is not None:
+            raise _ext_error
+        from engine.ops.build import load_extension
+
+        try:
+            _ext = load_extension()
+        except Exception as e:
+            _ext_error = e
+            raise
+    return _ext
+
+
+def kernels_available(device: torch.device | str | None = None) -> bool:
+    """True when CUDA kernels can serve tensors on `device` (building them if needed)."""
+    if not kernels_enabled() or not torch.cuda.is_available():
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    try:
+        extension()
+    except Exception:
+        return False
+    return True
+
+
+def _use_cuda(*tensors: torch.Tensor | None) -> bool:
+    for t in tensors:
+        if t is not None and (not t.is_cuda or t.dtype != torch.float16):
+            return False
+    if _ext is not None:  # hot path: one check per call, nothing else
+        return kernels_enabled()
+    return kernels_enabled() and kernels_available()
+
+
+def workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """fp32 scratch for the fused product's split-k partial sums. Always zero between calls (the
+    output kernel clears what it read), so no memset is launched per layer."""
+    ws = _workspaces.get(device)
+    if ws is None or ws.numel() < numel:
+        ws = torch.zeros(max(numel, 32 * 131072), dtype=torch.float32, device=device)
+        _workspaces[device] = ws
+    return ws
+
+
+# ------------------------------------------------------------------------------------------
+# EXL3
+
+
+def exl3_reconstruct(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    """W-hat [in, out] fp16, bit-exact on both paths."""
+    out = trellis.shape[1] * 16
+    if trellis.is_cuda and out % 128 == 0 and kernels_enabled() and kernels_available():
+        return extension().exl3_reconstruct(trellis.contiguous(), CODEBOOK_IDS[codebook])
+    return _fmt.reconstruct(trellis, codebook)
+
+
+def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Blockwise normalized 128-point Hadamard. fp16 CUDA input → CUDA kernel, fp16 out (one
+    rounding after an fp32 transform); anything else → reference (fp32 out)."""
+    if dim in (-1, x.dim() - 1) and _use_cuda(x) and x.shape[-1] % 128 == 0:
+        return extension().had128(x.contiguous(), None, None, None)
+    return _fmt.hadamard128(x, dim)
+
+
+def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None) -> torch.Tensor:
+    """y = x @ W (+ bias) for an EXL3 linear `t` (EXL3Tensors-like: trellis, suh, svh,
+    codebook, bias). x [..., in] (zero-extended if shorter than the padded `in`); returns
+    [..., out_padded] in x's dtype on the CUDA path, fp32 on the reference path.
+
+    mode: "auto" (fused kernel up to FUSED_MAX_ROWS rows, else reconstruct + cuBLAS), "fused",
+    "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
+    m <= 8 (None = INT8_PATH)."""
+    in_f = t.trellis.shape[0] * 16
+    if x.shape[-1] < in_f:
+        x = F.pad(x, (0, in_f - x.shape[-1]))
+    if mode == "torch" or not _use_cuda(x, t.suh, t.svh) or not t.trellis.is_cuda:
+        return _fmt.exl3_matmul_reference(x, t)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_f)
+    if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_f = t.trellis.shape[1] * 16
+    bias = t.bias
+    if bias is not None and bias.numel() != out_f:
+        bias = F.pad(bias, (0, out_f - bias.numel()))
+    ext = extension()
+    if mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS):
+        ws = workspace(x.device, min(rows, 32) * out_f)
+        use_i8 = INT8_PATH if int8 is None else int8
+        y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8))
+    else:
+        xh = ext.had128(x2, t.suh, None, None)
+        w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])
+        z = torch.matmul(xh, w_hat)
+        y = ext.had128(z, None, t.svh, bias)
+    return y.reshape(*lead, out_f)
+
+
+def exl3_linear(x: torch.Tensor, t, out_features: int | None = None) -> torch.Tensor:
+    """A model's quantized linear: exl3_gemm, trimmed to the logical width, in x's dtype."""
+    y = exl3_gemm(x, t)
+    if out_features is not None and y.shape[-1] != out_features:
+        y = y[..., :out_features]
+    return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Norms, activations, RoPE, residuals
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm: fp32 statistics, cast to x's dtype, then times weight."""
+    if _use_cuda(x, weight) and x.shape[-1] % 2 == 0:
+        return extension().rms_norm(x.contiguous(), weight.contiguous(), eps, None)[0]
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add fused into the norm."""
+    if _use_cuda(x, residual, weight) and x.shape[-1] % 2 == 0 and x.shape == residual.shape:
+        y, s = extension().rms_norm(x.contiguous(), weight.contiguous(), eps, residual.contiguous())
+        return y, s
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+_ACT_IDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu_tanh": 1, "gelu": 2}
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up (SwiGLU / GeGLU glue)."""
+    if act not in _ACT_IDS:
+        raise ValueError(f"unsupported activation {act!r}")
+    if _use_cuda(gate, up) and gate.shape == up.shape:
+        return extension().gated_act(gate, up, _ACT_IDS[act])
+    a = _ACT_IDS[act]
+    g = F.silu(gate) if a == 0 else F.gelu(gate, approximate="tanh" if a == 1 else "none")
+    return g * up
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding, rotate-half convention; cos/sin broadcast against q/k [..., T, D].
+    PyTorch on every device: it is a few fused elementwise kernels and graph-capturable, and
+    every scaling type only changes the cos/sin tables the model builds."""
+    def rot(t):
+        h = t.shape[-1] // 2
+        return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+__all__ = [
+    "exl3_gemm", "exl3_linear", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
+    "residual_add", "gated_act", "rope", "kernels_available", "kernels_enabled", "extension",
+]

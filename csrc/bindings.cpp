@@ -1,0 +1,198 @@
+// Torch bindings for the Trellis kernels: shape/dtype checks and stream plumbing only; the
+// kernels themselves live behind the plain interface in kernels.h.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+#define CHECK_CUDA_OK(expr)                                                             \
+    do {                                                                                \
+        cudaError_t err_ = (expr);                                                      \
+        TORCH_CHECK(err_ == cudaSuccess, "trellis kernel failed: ", cudaGetErrorString(err_)); \
+    } while (0)
+
+const half* hptr(const torch::Tensor& t) { return reinterpret_cast<const half*>(t.data_ptr()); }
+half* hptr_mut(torch::Tensor& t) { return reinterpret_cast<half*>(t.data_ptr()); }
+const half* opt_hptr(const c10::optional<torch::Tensor>& t) {
+    return t.has_value() ? reinterpret_cast<const half*>(t->data_ptr()) : nullptr;
+}
+
+void check_half_vec(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
+    if (!t.has_value()) return;
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->is_contiguous() &&
+                    t->numel() == n,
+                name, " must be a contiguous fp16 CUDA vector of length ", n);
+}
+
+void check_trellis(const torch::Tensor& trellis) {
+    TORCH_CHECK(trellis.is_cuda() && trellis.scalar_type() == torch::kShort && trellis.dim() == 3 &&
+                    trellis.is_contiguous(),
+                "trellis must be a contiguous int16 CUDA tensor [in/16, out/16, 16*K]");
+    TORCH_CHECK(trellis.size(2) % 16 == 0 && trellis.size(2) / 16 >= 1 && trellis.size(2) / 16 <= 8,
+                "trellis last dim must be 16*K with K in 1..8");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(trellis.data_ptr()) % 16 == 0,
+                "trellis must be 16-byte aligned");
+}
+
+// y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
+// entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
+torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
+                        c10::optional<torch::Tensor> bias, int64_t codebook,
+                        torch::Tensor workspace, int64_t ksplit, int64_t int8_mode) {
+    check_trellis(trellis);
+    const c10::cuda::CUDAGuard guard(x.device());
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
+                "x must be an fp16 CUDA matrix with unit column stride");
+    const int64_t m = x.size(0), in = trellis.size(0) * 16, out = trellis.size(1) * 16;
+    TORCH_CHECK(x.size(1) == in, "x has ", x.size(1), " columns, the layer takes ", in);
+    TORCH_CHECK(in % 128 == 0 && out % 128 == 0, "fused EXL3 product needs dims that are multiples of 128");
+    TORCH_CHECK(x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+                "x rows must be 8-byte aligned");
+    check_half_vec(suh, in, "suh");
+    check_half_vec(svh, out, "svh");
+    check_half_vec(bias, out, "bias");
+    TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == torch::kFloat &&
+                    workspace.is_contiguous() &&
+                    workspace.numel() >= std::min<int64_t>(m, trellis::kMaxFusedRows) * out,
+                "workspace too small");
+    auto y = torch::empty({m, out}, x.options());
+    if (m == 0) return y;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    const int chunk = (int)std::min<int64_t>(m, trellis::kMaxFusedRows);
+    const bool use_i8 = int8_mode != 0 && codebook == trellis::CB_MUL1 && m <= 8;
+    auto xh = torch::empty({chunk, in}, x.options());
+    torch::Tensor sq, scales, csum;
+    if (use_i8) {
+        sq = torch::empty({2 * chunk, in}, x.options().dtype(torch::kInt));
+        scales = torch::empty({chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
+        csum = torch::empty({chunk, in / 128}, x.options().dtype(torch::kFloat));
+    }
+    trellis::MmArgs a;
+    a.xh = hptr(xh);
+    a.ldxh = (int)in;
+    if (use_i8) {
+        a.sq = reinterpret_cast<const uint32_t*>(sq.data_ptr());
+        a.ldsq = (int)in;
+        a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
+        a.csum = csum.data_ptr<float>();
+    }
+    a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
+    a.z = workspace.data_ptr<float>();
+    a.in = (int)in;
+    a.out = (int)out;
+    a.K = (int)(trellis.size(2) / 16);
+    a.codebook = (int)codebook;
+    a.ksplit = (int)ksplit;
+    a.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    for (int64_t r0 = 0; r0 < m; r0 += trellis::kMaxFusedRows) {
+        const int rows = (int)std::min<int64_t>(trellis::kMaxFusedRows, m - r0);
+        a.m = rows;
+        CHECK_CUDA_OK(trellis::prep_x(hptr(x) + r0 * x.stride(0), (int)x.stride(0), hptr(suh),
+                                      hptr_mut(xh), use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
+                                      (int)in, use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr,
+                                      use_i8 ? csum.data_ptr<float>() : nullptr, rows, (int)in, stream));
+        CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
+        CHECK_CUDA_OK(trellis::had128_f32(a.z, (int)out, hptr_mut(y) + r0 * out, (int)out, hptr(svh),
+                                          opt_hptr(bias), rows, (int)out, true, stream));
+    }
+    return y;
+}
+
+torch::Tensor exl3_reconstruct(torch::Tensor trellis, int64_t codebook) {
+    check_trellis(trellis);
+    const c10::cuda::CUDAGuard guard(trellis.device());
+    const int64_t in = trellis.size(0) * 16, out = trellis.size(1) * 16;
+    TORCH_CHECK(out % 128 == 0, "reconstruct kernel needs out % 128 == 0");
+    auto w = torch::empty({in, out}, trellis.options().dtype(torch::kHalf));
+    CHECK_CUDA_OK(trellis::exl3_reconstruct(reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
+                                            hptr_mut(w), (int)in, (int)out,
+                                            (int)(trellis.size(2) / 16), (int)codebook,
+                                            at::cuda::getCurrentCUDAStream()));
+    return w;
+}
+
+// Blockwise 128-point Hadamard over the last dim (normalized), with optional fp16 pre-scale
+// (fp16 input only), post-scale and bias. Output fp16.
+torch::Tensor had128(torch::Tensor x, c10::optional<torch::Tensor> pre,
+                     c10::optional<torch::Tensor> post, c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "had128: x must be a contiguous CUDA tensor");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t n = x.size(-1);
+    TORCH_CHECK(n % 128 == 0, "had128: last dim must be a multiple of 128");
+    const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
+    check_half_vec(pre, n, "pre");
+    check_half_vec(post, n, "post");
+    check_half_vec(bias, n, "bias");
+    auto y = torch::empty(x.sizes(), x.options().dtype(torch::kHalf));
+    if (rows == 0) return y;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    if (x.scalar_type() == torch::kFloat) {
+        TORCH_CHECK(!pre.has_value(), "had128: pre-scale is for fp16 input");
+        CHECK_CUDA_OK(trellis::had128_f32(x.data_ptr<float>(), (int)n, hptr_mut(y), (int)n,
+                                          opt_hptr(post), opt_hptr(bias), (int)rows, (int)n, false,
+                                          stream));
+    } else {
+        TORCH_CHECK(x.scalar_type() == torch::kHalf, "had128: x must be fp16 or fp32");
+        CHECK_CUDA_OK(trellis::had128_f16(hptr(x), (int)n, hptr_mut(y), (int)n, opt_hptr(pre),
+                                          opt_hptr(post), opt_hptr(bias), (int)rows, (int)n, stream));
+    }
+    return y;
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.is_contiguous(),
+                "rms_norm: x must be contiguous fp16 CUDA");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t n = x.size(-1);
+    const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
+    check_half_vec(w, n, "weight");
+    auto y = torch::empty_like(x);
+    torch::Tensor res_out;
+    if (residual.has_value()) {
+        TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                        residual->scalar_type() == torch::kHalf,
+                    "rms_norm: residual must match x");
+        res_out = torch::empty_like(x);
+    }
+    if (rows > 0) {
+        CHECK_CUDA_OK(trellis::rms_norm(hptr(x), opt_hptr(residual), hptr(w), hptr_mut(y),
+                                        residual.has_value() ? hptr_mut(res_out) : nullptr,
+                                        (int)rows, (int)n, (float)eps,
+                                        at::cuda::getCurrentCUDAStream()));
+    }
+    if (residual.has_value()) return {y, res_out};
+    return {y};
+}
+
+torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
+    TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
+                "gated_act: fp16 CUDA tensors");
+    TORCH_CHECK(gate.sizes() == up.sizes(), "gated_act: gate and up differ in shape");
+    const c10::cuda::CUDAGuard guard(gate.device());
+    const int64_t n = gate.size(-1);
+    auto g2 = gate.reshape({-1, n});
+    auto u2 = up.reshape({-1, n});
+    TORCH_CHECK(g2.stride(1) == 1 && u2.stride(1) == 1, "gated_act: last dim must be contiguous");
+    auto y = torch::empty(gate.sizes(), gate.options());
+    if (g2.size(0) > 0 && n > 0) {
+        CHECK_CUDA_OK(trellis::gated_act(hptr(g2), hptr(u2), hptr_mut(y), (int)g2.size(0), (int)n,
+                                         (int)g2.stride(0), (int)u2.stride(0), (int)act,
+                                         at::cuda::getCurrentCUDAStream()));
+    }
+    return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches");
+    m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
+    m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
+    m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
+    m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
+    m.def("gated_act", &gated_act, "act(gate) * up");
+}

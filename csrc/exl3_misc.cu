@@ -1,0 +1,323 @@
+// Dispatcher for the fused product, plus the small kernels around it: 128-point Hadamard with
+// scales, dense reconstruct, RMSNorm (optionally fused with the residual add) and gated MLP glue.
+#include <math.h>
+
+#include "exl3_decode.cuh"
+#include "exl3_mm.cuh"
+#include "kernels.h"
+
+namespace trellis {
+
+#define TRELLIS_DECLARE_MM(K) cudaError_t exl3_mm_k##K(const MmArgs& a, cudaStream_t stream);
+TRELLIS_DECLARE_MM(1)
+TRELLIS_DECLARE_MM(2)
+TRELLIS_DECLARE_MM(3)
+TRELLIS_DECLARE_MM(4)
+TRELLIS_DECLARE_MM(5)
+TRELLIS_DECLARE_MM(6)
+TRELLIS_DECLARE_MM(7)
+TRELLIS_DECLARE_MM(8)
+#undef TRELLIS_DECLARE_MM
+
+cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
+    if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
+    if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;
+    switch (a.K) {
+        case 1: return exl3_mm_k1(a, stream);
+        case 2: return exl3_mm_k2(a, stream);
+        case 3: return exl3_mm_k3(a, stream);
+        case 4: return exl3_mm_k4(a, stream);
+        case 5: return exl3_mm_k5(a, stream);
+        case 6: return exl3_mm_k6(a, stream);
+        case 7: return exl3_mm_k7(a, stream);
+        case 8: return exl3_mm_k8(a, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activation prep: one warp per (row, 128-chunk).
+
+__global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
+                              half* __restrict__ xh, uint32_t* __restrict__ sq, int ldsq,
+                              float2* __restrict__ scales, float* __restrict__ csum, int rows,
+                              int in) {
+    const int lane = threadIdx.x & 31;
+    const int nch = in >> 7;
+    const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= rows * nch) return;
+    const int r = task / nch;
+    const int c = task - r * nch;
+    const int k = c * 128 + lane * 4;
+    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)r * ldx + k);
+    const uint2 sv = *reinterpret_cast<const uint2*>(suh + k);
+    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(sv.x));
+    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(sv.y));
+    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+    wht128_lane4(v, lane);
+    const half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+    const half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+    *reinterpret_cast<uint2*>(xh + (size_t)r * in + k) = make_uint2(as_u32(o0), as_u32(o1));
+    if (!sq) return;
+    const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
+    float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+    float sum = f[0] + f[1] + f[2] + f[3];
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    }
+    const float s1 = amax / 127.f;
+    const float s2 = s1 / 254.f;
+    const float inv1 = amax > 0.f ? 127.f / amax : 0.f;
+    const float inv2 = amax > 0.f ? 254.f / s1 : 0.f;
+    uint32_t w1[4], w2[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float q1 = fminf(fmaxf(rintf(f[q] * inv1), -127.f), 127.f);
+        const float res = f[q] - q1 * s1;
+        const float q2 = fminf(fmaxf(rintf(res * inv2), -127.f), 127.f);
+        w1[q] = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
+        w2[q] = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
+    }
+    *reinterpret_cast<uint4*>(sq + (size_t)(2 * r) * ldsq + k) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+    *reinterpret_cast<uint4*>(sq + (size_t)(2 * r + 1) * ldsq + k) = make_uint4(w2[0], w2[1], w2[2], w2[3]);
+    if (lane == 0) {
+        scales[(size_t)r * nch + c] = make_float2(s1, s2);
+        csum[(size_t)r * nch + c] = sum;
+    }
+}
+
+cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* sq, int ldsq,
+                   float2* scales, float* csum, int rows, int in, cudaStream_t stream) {
+    if (in % 128 || rows < 1) return cudaErrorInvalidValue;
+    const long tasks = (long)rows * (in / 128);
+    prep_x_kernel<<<(unsigned)((tasks + 7) / 8), 256, 0, stream>>>(x, ldx, suh, xh, sq, ldsq, scales,
+                                                                   csum, rows, in);
+    return cudaGetLastError();
+}
+
+void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
+
+// ---------------------------------------------------------------------------------------------
+// 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.
+
+template <typename Tin>
+__global__ void had128_kernel(Tin* in, int ld_in, half* out, int ld_out, const half* pre,
+                              const half* post, const half* bias, int rows, int n,
+                              bool zero_input) {
+    const int lane = threadIdx.x & 31;
+    const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int blocks_per_row = n >> 7;
+    if (task >= rows * blocks_per_row) return;
+    const int r = task / blocks_per_row;
+    const int k = (task - r * blocks_per_row) * 128 + lane * 4;
+    float v[4];
+    Tin* src = in + (size_t)r * ld_in + k;
+    if constexpr (sizeof(Tin) == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(src);
+        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+        if (zero_input) *reinterpret_cast<float4*>(src) = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+        const uint2 hv = *reinterpret_cast<const uint2*>(src);
+        half2 p0 = as_h2(hv.x), p1 = as_h2(hv.y);
+        if (pre) {
+            const uint2 sv = *reinterpret_cast<const uint2*>(pre + k);
+            p0 = __hmul2(p0, as_h2(sv.x));
+            p1 = __hmul2(p1, as_h2(sv.y));
+        }
+        v[0] = __low2float(p0); v[1] = __high2float(p0);
+        v[2] = __low2float(p1); v[3] = __high2float(p1);
+    }
+    wht128_lane4(v, lane);
+    half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+    half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+    if (post) {
+        const uint2 sv = *reinterpret_cast<const uint2*>(post + k);
+        o0 = __hmul2(o0, as_h2(sv.x));
+        o1 = __hmul2(o1, as_h2(sv.y));
+    }
+    if (bias) {
+        const uint2 bv = *reinterpret_cast<const uint2*>(bias + k);
+        o0 = __hadd2(o0, as_h2(bv.x));
+        o1 = __hadd2(o1, as_h2(bv.y));
+    }
+    *reinterpret_cast<uint2*>(out + (size_t)r * ld_out + k) = make_uint2(as_u32(o0), as_u32(o1));
+}
+
+static unsigned had_blocks(int rows, int n) {
+    const long tasks = (long)rows * (n / 128);
+    return (unsigned)((tasks + 7) / 8);
+}
+
+cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
+                       const half* bias, int rows, int n, bool zero_input, cudaStream_t stream) {
+    if (n % 128 || rows < 1) return cudaErrorInvalidValue;
+    had128_kernel<float><<<had_blocks(rows, n), 256, 0, stream>>>(in, ld_in, out, ld_out, nullptr,
+                                                                  post, bias, rows, n, zero_input);
+    return cudaGetLastError();
+}
+
+cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
+                       const half* post, const half* bias, int rows, int n, cudaStream_t stream) {
+    if (n % 128 || rows < 1) return cudaErrorInvalidValue;
+    had128_kernel<const half><<<had_blocks(rows, n), 256, 0, stream>>>(
+        in, ld_in, out, ld_out, pre, post, bias, rows, n, false);
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense reconstruct: block = 8 warps over tiles (i, 8 adjacent j); each warp decodes one tile
+// into a shared 16 x 128 strip, which the block writes out with 16-byte row stores.
+
+template <int K, int CB>
+__global__ void __launch_bounds__(256) reconstruct_kernel(const uint32_t* __restrict__ trellis,
+                                                          half* __restrict__ out, int n_out) {
+    __shared__ half strip[16][128 + 8];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int tn = n_out >> 4;
+    const int i = blockIdx.y;
+    const int j = blockIdx.x * 8 + warp;
+    const uint32_t* words = trellis + ((size_t)i * tn + j) * (8 * K);
+    int wa, shift;
+    lane_window<K>(lane, wa, shift);
+    uint32_t v[4];
+    decode_lane<K, CB>(__ldg(words + wa), __ldg(words + wrap_word<K>(wa + 1)),
+                       __ldg(words + wrap_word<K>(wa + 2)), shift, v);
+    // Spec 3.4: lane t, slot jj -> (row r0 + {0,1,8,9}, col c0 or c0 + 8).
+    const int r0 = (lane & 3) * 2;
+    const int c0 = warp * 16 + (lane >> 2);
+    strip[r0][c0] = __low2half(as_h2(v[0]));
+    strip[r0 + 1][c0] = __high2half(as_h2(v[0]));
+    strip[r0 + 8][c0] = __low2half(as_h2(v[1]));
+    strip[r0 + 9][c0] = __high2half(as_h2(v[1]));
+    strip[r0][c0 + 8] = __low2half(as_h2(v[2]));
+    strip[r0 + 1][c0 + 8] = __high2half(as_h2(v[2]));
+    strip[r0 + 8][c0 + 8] = __low2half(as_h2(v[3]));
+    strip[r0 + 9][c0 + 8] = __high2half(as_h2(v[3]));
+    __syncthreads();
+    const int row = threadIdx.x >> 4;
+    const int chunk = threadIdx.x & 15;
+    *reinterpret_cast<uint4*>(out + (size_t)(i * 16 + row) * n_out + blockIdx.x * 128 + chunk * 8) =
+        *reinterpret_cast<const uint4*>(&strip[row][chunk * 8]);
+}
+
+template <int K>
+static cudaError_t reconstruct_k(const uint32_t* trellis, half* out, int in, int n_out, int cb,
+                                 cudaStream_t stream) {
+    dim3 grid(n_out / 128, in / 16);
+    switch (cb) {
+        case CB_3INST: reconstruct_kernel<K, CB_3INST><<<grid, 256, 0, stream>>>(trellis, out, n_out); break;
+        case CB_MCG: reconstruct_kernel<K, CB_MCG><<<grid, 256, 0, stream>>>(trellis, out, n_out); break;
+        case CB_MUL1: reconstruct_kernel<K, CB_MUL1><<<grid, 256, 0, stream>>>(trellis, out, n_out); break;
+        default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+}
+
+cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
+                             int codebook, cudaStream_t stream) {
+    if (in % 16 || n_out % 128) return cudaErrorInvalidValue;
+    switch (K) {
+        case 1: return reconstruct_k<1>(trellis, out, in, n_out, codebook, stream);
+        case 2: return reconstruct_k<2>(trellis, out, in, n_out, codebook, stream);
+        case 3: return reconstruct_k<3>(trellis, out, in, n_out, codebook, stream);
+        case 4: return reconstruct_k<4>(trellis, out, in, n_out, codebook, stream);
+        case 5: return reconstruct_k<5>(trellis, out, in, n_out, codebook, stream);
+        case 6: return reconstruct_k<6>(trellis, out, in, n_out, codebook, stream);
+        case 7: return reconstruct_k<7>(trellis, out, in, n_out, codebook, stream);
+        case 8: return reconstruct_k<8>(trellis, out, in, n_out, codebook, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm (+ residual add). One block per row.
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int nw = blockDim.x >> 5;
+    v = lane < nw ? scratch[lane] : 0.f;
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    return v;
+}
+
+__global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restrict__ residual,
+                                const half* __restrict__ w, half* __restrict__ y,
+                                half* __restrict__ residual_out, int n, float eps) {
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * n;
+    const half2* x2 = reinterpret_cast<const half2*>(x + base);
+    const half2* r2 = residual ? reinterpret_cast<const half2*>(residual + base) : nullptr;
+    half2* ro2 = residual_out ? reinterpret_cast<half2*>(residual_out + base) : nullptr;
+    const int n2 = n >> 1;
+    float ss = 0.f;
+    for (int q = threadIdx.x; q < n2; q += blockDim.x) {
+        half2 v = x2[q];
+        if (r2) {
+            v = __hadd2(v, r2[q]);
+            ro2[q] = v;
+        }
+        const float2 f = __half22float2(v);
+        ss += f.x * f.x + f.y * f.y;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / n + eps);
+    const half2* src = r2 ? ro2 : x2;
+    const half2* w2 = reinterpret_cast<const half2*>(w);
+    half2* y2 = reinterpret_cast<half2*>(y + base);
+    for (int q = threadIdx.x; q < n2; q += blockDim.x) {
+        const float2 f = __half22float2(src[q]);
+        y2[q] = __hmul2(w2[q], __floats2half2_rn(f.x * inv, f.y * inv));
+    }
+}
+
+cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,
+                     half* residual_out, int rows, int n, float eps, cudaStream_t stream) {
+    if (n % 2 || rows < 1 || (residual && !residual_out)) return cudaErrorInvalidValue;
+    const int threads = n >= 4096 ? 1024 : (n >= 1024 ? 512 : 128);
+    rms_norm_kernel<<<rows, threads, 0, stream>>>(x, residual, w, y, residual_out, n, eps);
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gated activation: y = fp16(act(gate)) * up, as the PyTorch fp16 modules round.
+
+__global__ void gated_act_kernel(const half* __restrict__ gate, const half* __restrict__ up,
+                                 half* __restrict__ y, int rows, int n, int ld_gate, int ld_up,
+                                 int act) {
+    const long total = (long)rows * n;
+    for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long)gridDim.x * blockDim.x) {
+        const int r = (int)(idx / n);
+        const int c = (int)(idx - (long)r * n);
+        const float g = __half2float(gate[(size_t)r * ld_gate + c]);
+        float a;
+        if (act == 0) {
+            a = g / (1.f + __expf(-g));
+        } else if (act == 1) {
+            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+            a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+        } else {
+            a = 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
+        }
+        y[idx] = __hmul(__float2half_rn(a), up[(size_t)r * ld_up + c]);
+    }
+}
+
+cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
+                      int ld_up, int act, cudaStream_t stream) {
+    if (rows < 1 || n < 1 || act < 0 || act > 2) return cudaErrorInvalidValue;
+    const long total = (long)rows * n;
+    const long blocks = (total + 255) / 256;
+    gated_act_kernel<<<(unsigned)(blocks < 65535 * 8 ? blocks : 65535 * 8), 256, 0, stream>>>(
+        gate, up, y, rows, n, ld_gate, ld_up, act);
+    return cudaGetLastError();
+}
+
+}  // namespace trellis

@@ -1,0 +1,499 @@
+// Fused EXL3 product for small batches (m <= 32 rows per pass).
+//
+// Why this shape: at batch 1..32 the layer is bound by reading the trellis and by the integer
+// work of decoding it, never by the multiply. So every 16x16 tile is decoded exactly once, in
+// registers, and reused for all rows through tensor-core MMAs.
+//
+// The tile's lane order (spec 3.4) is the B layout of mma.m16n8k16; the same registers are also
+// the A layout of the transposed tile. We use the transposed form, D[out col, row] =
+// What^T[out col, k] * xh^T[k, row], so one MMA covers 8 rows of x: m <= 8 costs one MMA per tile
+// instead of two.
+//
+// Work split: a block is 8 warps over 8 adjacent column tiles (128 output columns) and a range
+// of k tiles (split-k over blocks, partial sums added with fp32 atomics into a zeroed workspace,
+// then had128 * svh in a second small kernel). Each warp streams its own column of tiles through
+// a private cp.async ring in shared memory, so the main loop has no block-wide barrier. The
+// block first copies its slice of the prepared activations (prep_x: xh = had128(x * suh), once
+// per call rather than once per column block) into shared memory while the first trellis stages
+// are already in flight.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "exl3_decode.cuh"
+#include "kernels.h"
+
+namespace trellis {
+
+constexpr int kMmWarps = 8;  // column tiles per block
+constexpr int kMmStages = 6;  // ring depth per warp
+
+// k tiles per pipeline stage: 8 tiles (1 KB at K = 4) for small K, 4 for large K, so that each
+// warp keeps about 7 KB of trellis in flight whatever K is.
+template <int K>
+__host__ __device__ constexpr int mm_stage_tiles() {
+    return K <= 4 ? 8 : 4;
+}
+template <int K>
+__host__ __device__ constexpr int mm_stage_words() {
+    return mm_stage_tiles<K>() * 8 * K;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+    uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void mma_16816(float d[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// u8 (weights' product bytes) x s8 (activations) -> s32, 16x8x32.
+__device__ __forceinline__ void mma_16832_u8s8(int d[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// In-register 128-point Walsh-Hadamard (natural order) of 4 consecutive values per lane,
+// unnormalized.
+__device__ __forceinline__ void wht128_lane4(float v[4], int lane) {
+    float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
+    v[0] = a + c;
+    v[1] = b + d;
+    v[2] = a - c;
+    v[3] = b - d;
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+        const bool upper = lane & s;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float p = __shfl_xor_sync(0xffffffffu, v[q], s);
+            v[q] = upper ? p - v[q] : v[q] + p;
+        }
+    }
+}
+
+constexpr float kHadNorm = 0.088388347648318f;  // 1/sqrt(128)
+
+// Timing probes (0 = normal): 1 skips the decode, 2 skips the MMAs. Set from Python for the
+// "which stage limits" measurements of bench.linear; never used for real work.
+inline int& mm_debug_variant() {
+    static int v = 0;
+    return v;
+}
+
+// Per-warp cp.async ring over the k tiles [i0, i1) of column tile j. Each warp owns its ring,
+// so the main loop needs only __syncwarp, never a block barrier.
+template <int K>
+struct TileRing {
+    uint32_t* ring;
+    const uint32_t* trellis;
+    int tn, j, i0, i1, lane, n_stages;
+
+    __device__ __forceinline__ void issue(int s) {
+        constexpr int TS = mm_stage_tiles<K>();
+        constexpr int kChunksPerTile = 2 * K;  // 16-byte chunks (tile = 32K bytes)
+        if (s < n_stages) {
+            uint32_t* dst = ring + (s % kMmStages) * mm_stage_words<K>();
+#pragma unroll
+            for (int c0 = 0; c0 < TS * kChunksPerTile; c0 += 32) {
+                const int c = c0 + lane;
+                if (c < TS * kChunksPerTile) {
+                    const int tt = c / kChunksPerTile;
+                    const int part = c - tt * kChunksPerTile;
+                    const int i = i0 + s * TS + tt;
+                    if (i < i1) {
+                        const uint32_t* src = trellis + ((size_t)i * tn + j) * (8 * K) + part * 4;
+                        cp_async16(dst + tt * 8 * K + part * 4, src);
+                    }
+                }
+            }
+        }
+        cp_async_commit();
+    }
+    __device__ __forceinline__ const uint32_t* stage(int s) const {
+        return ring + (s % kMmStages) * mm_stage_words<K>();
+    }
+};
+
+// 8 raw 16-bit states of this lane's steps (spec 3.3), without the codebook.
+template <int K>
+__device__ __forceinline__ void lane_states(uint32_t w0, uint32_t w1, uint32_t w2, int shift,
+                                            uint32_t st[8]) {
+    uint32_t h0 = __funnelshift_l(w1, w0, shift);
+    uint32_t h1 = __funnelshift_l(w2, w1, shift);
+    uint32_t h2 = w2 << shift;
+    st[0] = state_at<1 * K>(h0, h1, h2);
+    st[1] = state_at<2 * K>(h0, h1, h2);
+    st[2] = state_at<3 * K>(h0, h1, h2);
+    st[3] = state_at<4 * K>(h0, h1, h2);
+    st[4] = state_at<5 * K>(h0, h1, h2);
+    st[5] = state_at<6 * K>(h0, h1, h2);
+    st[6] = state_at<7 * K>(h0, h1, h2);
+    st[7] = state_at<8 * K>(h0, h1, h2);
+}
+
+// Shared memory bytes for a block: activations + trellis rings.
+template <int K>
+inline size_t mm_ring_bytes() {
+    return (size_t)kMmWarps * kMmStages * mm_stage_words<K>() * 4;
+}
+
+// ------------------------------------------------------------------------------------------
+// fp16 path: all codebooks, up to 32 rows (MG groups of 8). xh = had(x * suh) precomputed.
+
+template <int K, int CB, int MG>
+__global__ void __launch_bounds__(256) exl3_mm_kernel(const half* __restrict__ xh, int ldxh,
+                                                      const uint32_t* __restrict__ trellis,
+                                                      float* __restrict__ z, int m, int in,
+                                                      int out, int ktpb, int variant) {
+    extern __shared__ uint4 smem_u4[];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int tk = in >> 4;
+    const int i0 = blockIdx.y * ktpb;
+    const int i1 = min(i0 + ktpb, tk);
+    if (i0 >= i1) return;
+    const int xs_stride = ktpb * 16 + 8;  // halves; +8 keeps B-fragment loads conflict-free
+    half* xs = reinterpret_cast<half*>(smem_u4);
+    constexpr int TS = mm_stage_tiles<K>();
+    const int n_tiles = i1 - i0;
+    TileRing<K> ring{reinterpret_cast<uint32_t*>(xs + MG * 8 * xs_stride) +
+                         warp * (kMmStages * mm_stage_words<K>()),
+                     trellis, out >> 4, (int)blockIdx.x * kMmWarps + warp, i0, i1, lane,
+                     (n_tiles + TS - 1) / TS};
+#pragma unroll
+    for (int s = 0; s < kMmStages - 1; ++s) ring.issue(s);
+
+    // Activations for this k range: 16-byte copies, zero rows past m.
+    {
+        const int kr8 = n_tiles * 2;  // 8-half chunks per row
+        for (int idx = threadIdx.x; idx < MG * 8 * kr8; idx += blockDim.x) {
+            const int r = idx / kr8;
+            const int c = idx - r * kr8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (r < m) v = *reinterpret_cast<const uint4*>(xh + (size_t)r * ldxh + i0 * 16 + c * 8);
+            *reinterpret_cast<uint4*>(xs + r * xs_stride + c * 8) = v;
+        }
+    }
+    __syncthreads();
+
+    int wa, shift;
+    lane_window<K>(lane, wa, shift);
+    const int wb = wrap_word<K>(wa + 1);
+    const int wc = wrap_word<K>(wa + 2);
+    const int g = lane >> 2;
+    const int c2 = (lane & 3) * 2;
+
+    float acc[MG][4];
+#pragma unroll
+    for (int r = 0; r < MG; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+
+    for (int s = 0; s < ring.n_stages; ++s) {
+        cp_async_wait<kMmStages - 2>();
+        __syncwarp();
+        ring.issue(s + kMmStages - 1);
+        const uint32_t* stage = ring.stage(s);
+        const int tiles_here = min(TS, n_tiles - s * TS);
+#pragma unroll
+        for (int tt = 0; tt < TS; ++tt) {
+            if (tt < tiles_here) {
+                const uint32_t* words = stage + tt * 8 * K;
+                uint32_t v[4];
+                if (variant == 1) {  // timing probe: no decode, raw words as operands
+                    v[0] = words[wa]; v[1] = words[wb]; v[2] = words[wc]; v[3] = v[0] ^ v[2];
+                } else {
+                    decode_lane<K, CB>(words[wa], words[wb], words[wc], shift, v);
+                }
+                if (variant == 2) {  // timing probe: decode only, no MMA
+                    acc[0][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
+                    continue;
+                }
+                const int kl = (s * TS + tt) * 16 + c2;
+#pragma unroll
+                for (int r = 0; r < MG; ++r) {
+                    const half* xrow = xs + (r * 8 + g) * xs_stride + kl;
+                    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xrow);
+                    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xrow + 8);
+                    mma_16816(acc[r], v[0], v[2], v[1], v[3], b0, b1);
+                }
+            }
+        }
+    }
+
+    // D fragment: d0/d1 = (out col g, rows c2, c2+1), d2/d3 = (out col g+8, same rows).
+    const int col = (blockIdx.x * kMmWarps + warp) * 16 + g;
+#pragma unroll
+    for (int r = 0; r < MG; ++r) {
+        const int row = r * 8 + c2;
+        if (row < m) {
+            atomicAdd(z + (size_t)row * out + col, acc[r][0]);
+            atomicAdd(z + (size_t)row * out + col + 8, acc[r][2]);
+        }
+        if (row + 1 < m) {
+            atomicAdd(z + (size_t)(row + 1) * out + col, acc[r][1]);
+            atomicAdd(z + (size_t)(row + 1) * out + col + 8, acc[r][3]);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// MUL1 integer path, up to 8 rows (MGI groups of 4).
+//
+// MUL1's value is k_inv * (byte sum of s * 0x83DCD12D) - 3.453125 (spec 2), so the decode stops
+// after one multiply: the four product bytes of each weight go straight into a u8 x s8 tensor
+// core MMA as four k-slots, against its activation repeated in those slots. The activation is
+// split into two int8 passes (q1 at absmax/127 per 128-block, q2 the residual at 1/254 of that
+// step: about 15 bits, far below fp16 rounding of the output), carried as the two B columns
+// (2r, 2r+1) of row r, so a lane ends up holding both passes of one row and folds them with
+// their scales every 128 k. The constant -3.453125 * sum(xh) is added once per block. Skipping
+// the per-weight fp16 rounding of the codebook value changes y by far less than 2e-3 relative.
+
+constexpr float kMul1Inv = 0.0067672729492188f;  // half(0x1EEE)
+constexpr float kMul1C0 = -3.453125f;             // 1024 * k_inv + k_bias, exact
+
+template <int K, int MGI>
+__global__ void __launch_bounds__(256) exl3_mm_i8_kernel(const uint32_t* __restrict__ sq, int ldsq,
+                                                         const float2* __restrict__ scales,
+                                                         const float* __restrict__ csum,
+                                                         const uint32_t* __restrict__ trellis,
+                                                         float* __restrict__ z, int m, int in,
+                                                         int out, int ktpb, int variant) {
+    extern __shared__ uint4 smem_u4[];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int tk = in >> 4;
+    const int nch = in >> 7;  // 128-chunks per row in scales/csum
+    const int i0 = blockIdx.y * ktpb;
+    const int i1 = min(i0 + ktpb, tk);
+    if (i0 >= i1) return;
+    constexpr int NCOL = 8 * MGI;          // B columns: (row, pass)
+    const int qs_stride = ktpb * 16 + 8;   // words; stride = 8 mod 32 spreads the row groups
+    const int kchunks = ktpb / 8;
+    uint32_t* qs = reinterpret_cast<uint32_t*>(smem_u4);
+    float2* sc = reinterpret_cast<float2*>(qs + NCOL * qs_stride);  // [4*MGI][kchunks]
+    float* rsum = reinterpret_cast<float*>(sc + 4 * MGI * kchunks);  // [4*MGI]
+    constexpr int TS = mm_stage_tiles<K>();
+    const int n_tiles = i1 - i0;
+    uint32_t* ring_base = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(rsum + 4 * MGI) + 15) & ~uintptr_t(15));
+    TileRing<K> ring{ring_base + warp * (kMmStages * mm_stage_words<K>()), trellis, out >> 4,
+                     (int)blockIdx.x * kMmWarps + warp, i0, i1, lane, (n_tiles + TS - 1) / TS};
+#pragma unroll
+    for (int s = 0; s < kMmStages - 1; ++s) ring.issue(s);
+
+    {
+        const int kr4 = n_tiles * 4;  // 4-word chunks per column
+        for (int idx = threadIdx.x; idx < NCOL * kr4; idx += blockDim.x) {
+            const int col = idx / kr4;
+            const int c = idx - col * kr4;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if ((col >> 1) < m)
+                v = *reinterpret_cast<const uint4*>(sq + (size_t)col * ldsq + i0 * 16 + c * 4);
+            *reinterpret_cast<uint4*>(qs + col * qs_stride + c * 4) = v;
+        }
+        const int nkc = n_tiles / 8;
+        for (int idx = threadIdx.x; idx < 4 * MGI * nkc; idx += blockDim.x) {
+            const int r = idx / nkc;
+            const int c = idx - r * nkc;
+            sc[r * kchunks + c] = r < m ? scales[(size_t)r * nch + i0 / 8 + c] : make_float2(0.f, 0.f);
+        }
+        if (threadIdx.x < 4 * MGI) {
+            const int r = threadIdx.x;
+            float t = 0.f;
+            if (r < m)
+                for (int c = 0; c < nkc; ++c) t += csum[(size_t)r * nch + i0 / 8 + c];
+            rsum[r] = t;
+        }
+    }
+    __syncthreads();
+
+    int wa, shift;
+    lane_window<K>(lane, wa, shift);
+    const int wb = wrap_word<K>(wa + 1);
+    const int wc = wrap_word<K>(wa + 2);
+    const int g = lane >> 2;
+    const int cq = lane & 3;
+
+    int iacc[MGI][4];
+    float facc[MGI][2];
+#pragma unroll
+    for (int r = 0; r < MGI; ++r) {
+        iacc[r][0] = iacc[r][1] = iacc[r][2] = iacc[r][3] = 0;
+        facc[r][0] = facc[r][1] = 0.f;
+    }
+
+    for (int s = 0; s < ring.n_stages; ++s) {
+        cp_async_wait<kMmStages - 2>();
+        __syncwarp();
+        ring.issue(s + kMmStages - 1);
+        const uint32_t* stage = ring.stage(s);
+        const int tiles_here = min(TS, n_tiles - s * TS);
+#pragma unroll
+        for (int tt = 0; tt < TS; ++tt) {
+            if (tt < tiles_here) {
+                const uint32_t* words = stage + tt * 8 * K;
+                uint32_t x[8];
+                if (variant == 1) {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) x[q] = words[q & 1 ? wb : wa] + q;
+                } else {
+                    lane_states<K>(words[wa], words[wb], words[wc], shift, x);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) x[q] *= 0x83DCD12Du;
+                }
+                const int tl = s * TS + tt;  // tile index within the block
+                if (variant == 2) {
+                    iacc[0][0] += x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
+                } else {
+                    const int kl = tl * 16 + 2 * cq;
+#pragma unroll
+                    for (int r = 0; r < MGI; ++r) {
+                        const uint32_t* qrow = qs + (r * 8 + g) * qs_stride + kl;
+                        const uint2 lo = *reinterpret_cast<const uint2*>(qrow);
+                        const uint2 hi = *reinterpret_cast<const uint2*>(qrow + 8);
+                        mma_16832_u8s8(iacc[r], x[0], x[4], x[1], x[5], lo.x, lo.y);
+                        mma_16832_u8s8(iacc[r], x[2], x[6], x[3], x[7], hi.x, hi.y);
+                    }
+                }
+                if ((tl & 7) == 7) {  // end of a 128-wide k chunk: fold with its scales
+                    const int kc = tl >> 3;
+#pragma unroll
+                    for (int r = 0; r < MGI; ++r) {
+                        const float2 s12 = sc[(r * 4 + cq) * kchunks + kc];
+                        facc[r][0] += s12.x * (float)iacc[r][0] + s12.y * (float)iacc[r][1];
+                        facc[r][1] += s12.x * (float)iacc[r][2] + s12.y * (float)iacc[r][3];
+                        iacc[r][0] = iacc[r][1] = iacc[r][2] = iacc[r][3] = 0;
+                    }
+                }
+            }
+        }
+    }
+
+    // D: d0 (out col g, B col 2cq = row cq pass 1), d1 (pass 2), d2/d3 the same for col g+8.
+    const int col = (blockIdx.x * kMmWarps + warp) * 16 + g;
+#pragma unroll
+    for (int r = 0; r < MGI; ++r) {
+        const int row = r * 4 + cq;
+        if (row < m) {
+            const float base = kMul1C0 * rsum[row];
+            atomicAdd(z + (size_t)row * out + col, kMul1Inv * facc[r][0] + base);
+            atomicAdd(z + (size_t)row * out + col + 8, kMul1Inv * facc[r][1] + base);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launch plumbing.
+
+// Split k over blocks (ktpb k tiles each, a multiple of 8). The activations of a block live in
+// shared memory, so act_bytes_per_ktile caps ktpb. Among the splits that fit, pick the one with
+// the least modeled time: whole waves of resident blocks (2 per SM) times the tiles per block,
+// plus a fixed start-up per block of about one pipeline fill.
+inline void mm_split(int tk, int nb, int num_sms, int act_bytes_per_ktile, int& ksplit, int& ktpb) {
+    const int budget = 48 * 1024;
+    int max_ktpb = ((budget / act_bytes_per_ktile) / 8) * 8;
+    if (max_ktpb < 8) max_ktpb = 8;
+    const int cap = 2 * (num_sms > 0 ? num_sms : 132);
+    if (ksplit > 0) {
+        ksplit = max(1, min(ksplit, tk / 8));
+        ktpb = min(((tk + ksplit - 1) / ksplit + 7) & ~7, max_ktpb);
+        ksplit = (tk + ktpb - 1) / ktpb;
+        return;
+    }
+    long best = -1;
+    for (int ks = 1; ks <= tk / 8; ++ks) {
+        const int kt = ((tk + ks - 1) / ks + 7) & ~7;
+        if (kt > max_ktpb) continue;
+        const int ks_eff = (tk + kt - 1) / kt;
+        const long blocks = (long)nb * ks_eff;
+        const long waves = (blocks + cap - 1) / cap;
+        const long cost = waves * (kt + 24);
+        if (best < 0 || cost < best) {
+            best = cost;
+            ksplit = ks_eff;
+            ktpb = kt;
+        }
+    }
+    if (best < 0) {
+        ktpb = max_ktpb;
+        ksplit = (tk + ktpb - 1) / ktpb;
+    }
+}
+
+template <int K, int CB, int MG>
+cudaError_t launch_mm(const half* xh, int ldxh, const uint32_t* trellis, float* z, int m, int in,
+                      int out, int ksplit, int num_sms, cudaStream_t stream) {
+    const int tk = in / 16;
+    const int nb = out / (16 * kMmWarps);
+    int ktpb;
+    mm_split(tk, nb, num_sms, MG * 8 * 16 * 2, ksplit, ktpb);
+    const size_t smem = (size_t)MG * 8 * (ktpb * 16 + 8) * 2 + mm_ring_bytes<K>();
+    auto kern = exl3_mm_kernel<K, CB, MG>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    kern<<<dim3(nb, ksplit), kMmWarps * 32, smem, stream>>>(xh, ldxh, trellis, z, m, in, out, ktpb,
+                                                           mm_debug_variant());
+    return cudaGetLastError();
+}
+
+template <int K, int MGI>
+cudaError_t launch_mm_i8(const uint32_t* sq, int ldsq, const float2* scales, const float* csum,
+                         const uint32_t* trellis, float* z, int m, int in, int out, int ksplit,
+                         int num_sms, cudaStream_t stream) {
+    const int tk = in / 16;
+    const int nb = out / (16 * kMmWarps);
+    int ktpb;
+    mm_split(tk, nb, num_sms, 8 * MGI * 16 * 4, ksplit, ktpb);
+    const size_t smem = (size_t)8 * MGI * (ktpb * 16 + 8) * 4 + (size_t)4 * MGI * (ktpb / 8) * 8 +
+                        4 * MGI * 4 + 16 + mm_ring_bytes<K>();
+    auto kern = exl3_mm_i8_kernel<K, MGI>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    kern<<<dim3(nb, ksplit), kMmWarps * 32, smem, stream>>>(sq, ldsq, scales, csum, trellis, z, m,
+                                                           in, out, ktpb, mm_debug_variant());
+    return cudaGetLastError();
+}
+
+// One K: sq != null selects the MUL1 integer path (m <= 8), else the fp16 path (m <= 32).
+template <int K>
+cudaError_t launch_mm_k(const MmArgs& a, cudaStream_t stream) {
+    if (a.sq) {
+        if (a.m <= 4)
+            return launch_mm_i8<K, 1>(a.sq, a.ldsq, a.scales, a.csum, a.trellis, a.z, a.m, a.in,
+                                      a.out, a.ksplit, a.num_sms, stream);
+        return launch_mm_i8<K, 2>(a.sq, a.ldsq, a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out,
+                                  a.ksplit, a.num_sms, stream);
+    }
+#define TRELLIS_MM_CASE(CBV, MGV) \
+    return launch_mm<K, CBV, MGV>(a.xh, a.ldxh, a.trellis, a.z, a.m, a.in, a.out, a.ksplit, a.num_sms, stream)
+#define TRELLIS_MM_MG(CBV)               \
+    if (a.m <= 8) TRELLIS_MM_CASE(CBV, 1); \
+    if (a.m <= 16) TRELLIS_MM_CASE(CBV, 2); \
+    TRELLIS_MM_CASE(CBV, 4);
+    switch (a.codebook) {
+        case CB_3INST: TRELLIS_MM_MG(CB_3INST)
+        case CB_MCG: TRELLIS_MM_MG(CB_MCG)
+        case CB_MUL1: TRELLIS_MM_MG(CB_MUL1)
+        default: return cudaErrorInvalidValue;
+    }
+#undef TRELLIS_MM_MG
+#undef TRELLIS_MM_CASE
+}
+
+}  // namespace trellis

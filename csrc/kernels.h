@@ -1,0 +1,59 @@
+// Plain C++ interface of the Trellis CUDA kernels. Nothing here includes torch, so the kernels
+// compile (and can be syntax-checked) with a bare nvcc; csrc/bindings.cpp adapts torch tensors.
+// Every launcher returns a cudaError_t (cudaSuccess or the launch error).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace trellis {
+
+// Rows of x handled by one pass of the fused product; larger m loops over row chunks.
+constexpr int kMaxFusedRows = 32;
+
+// Inputs of the fused product for one chunk of m <= kMaxFusedRows rows.
+struct MmArgs {
+    const half* xh = nullptr;       // fp16 path: had128(x * suh), [m, in], row stride ldxh
+    int ldxh = 0;
+    const uint32_t* sq = nullptr;   // MUL1 integer path (m <= 8): splatted int8 passes [2m, ldsq]
+    int ldsq = 0;
+    const float2* scales = nullptr; // [m, in/128] (step of pass 1, step of pass 2)
+    const float* csum = nullptr;    // [m, in/128] sum of xh over each 128-chunk
+    const uint32_t* trellis = nullptr;  // [in/16, out/16, 16K] int16 as uint32 words
+    float* z = nullptr;             // [m, out] fp32, zero on entry; partial sums are added
+    int m = 0, in = 0, out = 0, K = 0, codebook = 0, ksplit = 0, num_sms = 0;
+};
+
+// xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
+// passes of xh per 128-chunk, their steps and the chunk sums (inputs of the MUL1 path).
+cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* sq, int ldsq,
+                   float2* scales, float* csum, int rows, int in, cudaStream_t stream);
+
+// z += had128(x * suh) @ What (before the output Hadamard). in, out multiples of 128.
+cudaError_t exl3_mm_partial(const MmArgs& args, cudaStream_t stream);
+
+// y[rows, n] = fp16(fp16(had128(in) / sqrt(128)) * post) + bias, where `in` is fp32 (z of the
+// product) or fp16 (optionally scaled first by `pre` with an fp16 multiply). pre/post/bias may be
+// null. zero_input: write zeros back over `in` (fp32 only) so a workspace stays zeroed.
+cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
+                       const half* bias, int rows, int n, bool zero_input, cudaStream_t stream);
+cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
+                       const half* post, const half* bias, int rows, int n, cudaStream_t stream);
+
+// Timing probe for benchmarks: 0 normal, 1 = product without decode, 2 = decode without MMA.
+void set_mm_debug_variant(int variant);
+
+// Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
+cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
+                             int codebook, cudaStream_t stream);
+
+// RMSNorm over the last dim: y = w * fp16(x * rsqrt(mean(x^2) + eps)); if residual is non-null,
+// x is first replaced by fp16(x + residual) and that sum is written to residual_out.
+cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,
+                     half* residual_out, int rows, int n, float eps, cudaStream_t stream);
+
+// Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
+cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
+                      int ld_up, int act, cudaStream_t stream);
+
+}  // namespace trellis

@@ -1,0 +1,109 @@
+"""Building the CUDA extension (csrc/) on first GPU use, or from setup.py with TRELLIS_BUILD_EXT=1.
+
+Why JIT: a CPU install or CI must never need a compiler, while a GPU user should not have to
+run a separate build step. The build is cached under ~/.cache/trellis/ext, keyed by the torch
+version, the CUDA version, the GPU architecture and a hash of the sources, so it happens once.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from engine.errors import TrellisError
+
+EXT_NAME = "trellis_ext"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+class KernelBuildError(TrellisError):
+    """The CUDA kernels could not be compiled or loaded."""
+
+
+def extension_sources() -> list[str]:
+    """Translation units of the extension (setup.py and the JIT build use the same list)."""
+    cu = sorted(str(p) for p in CSRC.glob("*.cu"))
+    return [str(CSRC / "bindings.cpp"), *cu]
+
+
+def nvcc_flags(archs: list[str] | None = None) -> list[str]:
+    """nvcc flags; archs like ["80", "90"] (default: sm_80 + sm_90 machine code + sm_90 PTX)."""
+    archs = archs or ["80", "90"]
+    flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    for a in archs:
+        flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    return flags
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*")):
+        if p.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cache_dir(arch: str) -> Path:
+    import torch
+
+    root = Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis"))
+    tag = f"torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}-{_source_hash()}"
+    return root / "ext" / tag
+
+
+def _find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def load_extension(verbose: bool = False):
+    """Import the prebuilt extension (setup.py build) or compile it for the current GPU."""
+    try:
+        import trellis_ext  # type: ignore[import-not-found]  # built by setup.py
+
+        return trellis_ext
+    except ImportError:
+        pass
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KernelBuildError("CUDA kernels need a CUDA GPU and a CUDA build of PyTorch")
+    if torch.version.cuda is None:
+        raise KernelBuildError("this PyTorch has no CUDA support; install a CUDA build to use the kernels")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        raise KernelBuildError(f"GPU compute capability {major}.{minor} is too old: the kernels need sm_80 or newer")
+    if _find_nvcc() is None:
+        raise KernelBuildError(
+            "cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit, set CUDA_HOME, "
+            "or set TRELLIS_KERNELS=torch to use the slower PyTorch path)"
+        )
+    arch = f"{major}{minor}"
+    build_dir = cache_dir(arch)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build_dir.glob(f"{EXT_NAME}*.so"))
+    if fresh:
+        print(f"trellis: compiling CUDA kernels for sm_{arch} (once, cached in {build_dir}) ...", file=sys.stderr, flush=True)
+    from torch.utils.cpp_extension import load
+
+    try:
+        ext = load(
+            name=EXT_NAME,
+            sources=extension_sources(),
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=nvcc_flags([arch]),
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    except Exception as e:  # compiler errors arrive as RuntimeError / subprocess errors
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise KernelBuildError(f"building the CUDA kernels failed ({first}); see {build_dir}") from e
+    if fresh:
+        print("trellis: CUDA kernels ready", file=sys.stderr, flush=True)
+    return ext

@@ -1,0 +1,106 @@
+"""engine.ops on a CPU-only install: every op falls back to the torch reference, nothing compiles."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import ops
+from engine.formats import exl3 as fmt
+from engine.ops import build
+
+
+@pytest.fixture(autouse=True)
+def no_compiler(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("CPU tensors must never trigger a kernel build")
+
+    monkeypatch.setattr(build, "load_extension", refuse)
+
+
+def rand_layer(n_in, n_out, K, cb, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-32768, 32768, (n_in // 16, n_out // 16, 16 * K), generator=g, dtype=torch.int32).short()
+    suh = torch.randn(n_in, generator=g).half()
+    svh = torch.randn(n_out, generator=g).half()
+    b = torch.randn(n_out, generator=g).half() if bias else None
+    return fmt.EXL3Tensors(trellis, suh, svh, cb, b)
+
+
+@pytest.mark.parametrize("cb", ["3inst", "mcg", "mul1"])
+def test_gemm_falls_back_to_reference(cb):
+    t = rand_layer(256, 128, 3, cb, bias=True)
+    x = torch.randn(2, 5, 256)
+    got = ops.exl3_gemm(x, t)
+    want = fmt.exl3_matmul_reference(x, t)
+    assert torch.equal(got, want)
+    # The padded-input contract: a shorter x is zero-extended.
+    short = x[..., :200]
+    assert torch.allclose(ops.exl3_gemm(short, t), fmt.exl3_matmul_reference(F.pad(short, (0, 56)), t))
+
+
+def test_linear_trims_and_keeps_dtype():
+    t = rand_layer(256, 256, 2, "mul1")
+    x = torch.randn(3, 256)
+    y = ops.exl3_linear(x, t, out_features=200)
+    assert y.shape == (3, 200) and y.dtype == x.dtype
+    assert torch.allclose(y, fmt.exl3_matmul_reference(x, t)[:, :200])
+
+
+def test_reconstruct_and_hadamard_are_the_reference():
+    t = rand_layer(128, 256, 4, "3inst")
+    assert torch.equal(ops.exl3_reconstruct(t.trellis, "3inst"), fmt.reconstruct(t.trellis, "3inst"))
+    x = torch.randn(4, 256)
+    h = ops.hadamard128(x)
+    assert torch.allclose(h, fmt.hadamard128(x))
+    assert torch.allclose(ops.hadamard128(h), x, atol=1e-5)
+
+
+def test_norms_activations_rope():
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    w = torch.rand(64) + 0.5
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6), want, atol=1e-6)
+    y, s = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.allclose(y, ops.rms_norm(x + r, w, 1e-6))
+    g, u = torch.randn(4, 10), torch.randn(4, 10)
+    assert torch.allclose(ops.gated_act(g, u, "silu"), F.silu(g) * u)
+    assert torch.allclose(ops.gated_act(g, u, "gelu_pytorch_tanh"), F.gelu(g, approximate="tanh") * u)
+    with pytest.raises(ValueError):
+        ops.gated_act(g, u, "relu6")
+    from engine.models.rope import apply_rope
+
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    ang = torch.randn(5, 8)
+    qr, kr = ops.rope(q, k, ang.cos(), ang.sin())
+    assert torch.allclose(qr, apply_rope(q, ang.cos(), ang.sin())) and torch.allclose(kr, apply_rope(k, ang.cos(), ang.sin()))
+
+
+def test_kernels_disabled_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not ops.kernels_available()
+    monkeypatch.setenv("TRELLIS_KERNELS", "torch")
+    assert not ops.kernels_enabled()
+
+
+def test_build_inputs_for_setup_py():
+    srcs = build.extension_sources()
+    names = {s.rsplit("/", 1)[-1] for s in srcs}
+    assert "bindings.cpp" in names and {f"exl3_mm_k{k}.cu" for k in range(1, 9)} <= names
+    flags = build.nvcc_flags()
+    assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90,code=sm_90" in flags
+
+
+def test_route_quant_linears_keeps_logits(tmp_path):
+    from bench.synth import SHAPES, write_synth_model
+    from engine.models import load_model
+    from engine.ops.model_patch import route_quant_linears
+
+    d = write_synth_model(tmp_path / "tiny", SHAPES["tiny"], 3.0, head_bits=4, codebook="mcg")
+    model = load_model(d)
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    with torch.inference_mode():
+        want = model(ids)
+        assert route_quant_linears(model) == 2 * 7 + 1
+        got = model(ids)
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-3)

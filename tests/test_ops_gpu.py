@@ -1,0 +1,174 @@
+"""CUDA kernels against the torch reference (run on the GPU machine: pytest -m gpu)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine import ops  # noqa: E402
+from engine.formats import exl3 as fmt  # noqa: E402
+
+CODEBOOKS = ["3inst", "mcg", "mul1"]
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    return ops.extension()  # builds once; a build failure fails every test with its message
+
+
+def rand_layer(n_in, n_out, K, cb, seed, bias=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    trellis = torch.randint(-32768, 32768, (n_in // 16, n_out // 16, 16 * K), generator=g, device=DEV, dtype=torch.int32).short()
+    suh = (torch.randn(n_in, generator=g, device=DEV) * 0.5).half()
+    svh = (torch.randn(n_out, generator=g, device=DEV) * 0.5).half()
+    b = (torch.randn(n_out, generator=g, device=DEV)).half() if bias else None
+    return fmt.EXL3Tensors(trellis, suh, svh, cb, b)
+
+
+def rel_rms(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), CODEBOOKS)))
+def test_reconstruct_bit_exact(K, cb):
+    t = rand_layer(256, 384, K, cb, seed=K * 7 + len(cb))
+    got = ops.exl3_reconstruct(t.trellis, cb)
+    want = fmt.reconstruct(t.trellis.cpu(), cb).to(DEV)
+    assert got.shape == want.shape and got.dtype == torch.float16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), CODEBOOKS)))
+def test_fused_product_all_rows(K, cb):
+    t = rand_layer(512, 384, K, cb, seed=100 + K)
+    ref_w = fmt.reconstruct(t.trellis, cb)
+    for rows in (1, 2, 8, 17, 32, 200):
+        x = torch.randn(rows, 512, device=DEV).half()
+        want = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        for mode in ("fused", "auto") if rows > 32 else ("fused",):
+            for int8 in (True, False) if cb == "mul1" and rows <= 8 else (None,):
+                y = ops.exl3_gemm(x, t, mode=mode, int8=int8)
+                assert y.shape == (rows, 384) and y.dtype == torch.float16
+                err = rel_rms(y, want)
+                assert err < 2e-3, (rows, mode, int8, err)
+
+
+@pytest.mark.parametrize("n_in,n_out,rows", [(128, 128, 1), (1152, 640, 5), (384, 1280, 33), (4096, 256, 3)])
+def test_odd_shapes_bias_and_splits(n_in, n_out, rows):
+    for cb in CODEBOOKS:
+        t = rand_layer(n_in, n_out, 4, cb, seed=n_in + n_out, bias=True)
+        x = torch.randn(2, rows, n_in, device=DEV).half()
+        want = fmt.exl3_matmul_reference(x.float(), t)
+        for ksplit in (0, 1, 3):
+            y = ops.exl3_gemm(x, t, mode="fused", ksplit=ksplit)
+            assert y.shape == (2, rows, n_out)
+            assert rel_rms(y, want) < 2e-3
+        assert rel_rms(ops.exl3_gemm(x, t, mode="dense"), want) < 2e-3
+
+
+def test_non_contiguous_input_and_repeat_calls_keep_workspace_clean():
+    t = rand_layer(512, 256, 3, "mul1", seed=5)
+    big = torch.randn(8, 1024, device=DEV).half()
+    x = big[:, 256:768]  # row stride 1024
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    first = ops.exl3_gemm(x, t)
+    second = ops.exl3_gemm(x, t)
+    assert rel_rms(first, want) < 2e-3 and rel_rms(second, want) < 2e-3
+    for w in ops._workspaces.values():
+        assert float(w.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("cb", CODEBOOKS)
+def test_large_layer_matches_reference(cb):
+    t = rand_layer(4096, 14336, 4, cb, seed=9)
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, 4096, device=DEV).half()
+        x[:, 7] = 40.0  # an outlier channel: the int8 path's per-block steps must cope
+        assert rel_rms(ops.exl3_gemm(x, t), fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
+
+
+def test_int8_path_with_zero_and_tiny_rows():
+    t = rand_layer(512, 256, 4, "mul1", seed=11)
+    x = torch.randn(3, 512, device=DEV).half()
+    x[1] = 0
+    x[2] *= 1e-3
+    y = ops.exl3_gemm(x, t, int8=True)
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    assert torch.isfinite(y).all() and float(y[1].abs().max()) == 0.0
+    assert rel_rms(y[0], want[0]) < 2e-3 and rel_rms(y[2], want[2]) < 2e-3
+
+
+def test_hadamard_kernel_matches_reference():
+    x = torch.randn(7, 3, 384, device=DEV).half()
+    got = ops.hadamard128(x)
+    want = fmt.hadamard128(x.float())
+    assert got.dtype == torch.float16 and rel_rms(got, want) < 1e-3
+    # It is its own inverse (orthonormal, symmetric).
+    assert rel_rms(ops.hadamard128(got), x.float()) < 2e-3
+
+
+def test_rms_norm_and_fused_residual():
+    x = torch.randn(5, 4096, device=DEV).half()
+    r = torch.randn(5, 4096, device=DEV).half()
+    w = (torch.rand(4096, device=DEV) + 0.5).half()
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = w * h.half()
+    assert rel_rms(ops.rms_norm(x, w, 1e-5), want) < 1e-3
+    y, s = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)
+    hs = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert rel_rms(y, w * hs.half()) < 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_act(act):
+    g = torch.randn(3, 1000, device=DEV).half() * 3
+    u = torch.randn(3, 1000, device=DEV).half()
+    fn = {"silu": F.silu, "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh"), "gelu": F.gelu}[act]
+    want = fn(g.float()) * u.float()
+    assert rel_rms(ops.gated_act(g, u, act), want) < 2e-3
+
+
+def test_cuda_graph_capture_of_product():
+    t = rand_layer(1024, 512, 4, "mul1", seed=3)
+    x = torch.randn(1, 1024, device=DEV).half()
+    ops.exl3_gemm(x, t)  # warm-up: workspace and extension exist before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = ops.exl3_gemm(x, t)
+    x.copy_(torch.randn(1, 1024, device=DEV).half())
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
+
+
+def test_whole_model_logits_gpu_match_cpu(ref_fixtures):
+    import json
+
+    from engine.models import load_model
+    from engine.ops.model_patch import route_quant_linears
+
+    manifest = json.loads((ref_fixtures / "manifest.json").read_text())
+    dirs = [p for p in sorted((ref_fixtures / "exl3").iterdir()) if (p / "config.json").exists()]
+    assert dirs, f"no EXL3 models under {ref_fixtures / 'exl3'}"
+    ids = torch.tensor([manifest["token_ids"][0][:24]])
+    for d in dirs:
+        cpu = load_model(d, device="cpu")
+        want = cpu(ids)
+        del cpu
+        gpu = load_model(d, device="cuda")
+        assert route_quant_linears(gpu) > 0
+        got = gpu(ids.to(DEV)).float().cpu()
+        assert rel_rms(got, want) < 3e-2, d.name
+        agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+        assert agree >= 0.8, (d.name, float(agree))
