@@ -8,8 +8,7 @@ module when started again with `-r` and the same settings. The app remembers whi
 Two runners with one interface (signals `progress(ConvertProgress)` and `finished(ok, text)`):
 - `EngineConvert` sends the worker's `convert` command (the engine relays the job's progress);
 - `ProcessConvert` starts `trellis convert --progress-json` itself in a QProcess. It is used when
-  the worker cannot express the request (the protocol's Convert has no calibration-data field)
-  or when the engine is not running, and it sees every module's report.
+  the engine is not running, and it sees every module's report.
 """
 from __future__ import annotations
 
@@ -253,7 +252,8 @@ class EngineConvert(_Runner):
         self.req, self._stopping = req, False
         self.command_id = self.client.send(P.Convert(
             input_dir=req.in_dir, output_dir=req.out_dir, bits=req.bits, head_bits=req.head_bits,
-            work_dir=req.work_dir, resume=True, codebook=req.codebook, cal_rows=req.cal_rows, cal_cols=req.cal_cols))
+            work_dir=req.work_dir, resume=True, codebook=req.codebook, cal_rows=req.cal_rows, cal_cols=req.cal_cols,
+            calibration=req.calibration or None))
 
     def stop(self) -> None:
         if self.command_id:

@@ -9,7 +9,6 @@ own safetensors bytes (exact weights) instead of an estimate from the main branc
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -52,21 +51,6 @@ class RevisionRow:
 
 def looks_like_repo_id(text: str) -> bool:
     return bool(REPO_ID_RE.match(text.strip()))
-
-
-def _get_text(repo: str, commit: str, path: str, limit: int) -> Optional[str]:
-    """One file of a revision as text, or None when the repo has no such file."""
-    from huggingface_hub.utils import build_hf_headers, get_session
-    try:
-        r = get_session().get(hub.file_url(repo, commit, path), timeout=30, follow_redirects=True,
-                              headers=build_hf_headers(token=os.environ.get("HF_TOKEN") or False))
-    except Exception as e:
-        raise hub._translate(e, f"read {path} of {repo}") from None
-    if r.status_code == 404:
-        return None
-    if r.status_code != 200:
-        raise hub.HubError(f"cannot read {path} of {repo}: the hub answered HTTP {r.status_code}")
-    return r.content[:limit].decode("utf-8", "replace")
 
 
 def _front_matter(text: str) -> tuple[dict, str]:
@@ -122,18 +106,10 @@ def card_summary(readme: str, max_chars: int = 600) -> tuple[dict, str]:
 
 def repo_card(repo: str) -> RepoCard:
     """Card summary of a repo (main branch). RepoNotFound when it does not exist."""
-    try:
-        info = hub._api().model_info(repo)
-    except Exception as e:
-        raise hub._translate(e, f"open {repo}") from None
-    config = info.config or {}
-    archs = config.get("architectures") or [""]
-    tags = list(info.tags or [])
-    card = RepoCard(repo=repo, architecture=archs[0] if archs else "", downloads=info.downloads or 0,
-                    likes=info.likes or 0, tags=tags,
-                    parameters=getattr(getattr(info, "safetensors", None), "total", None),
-                    is_exl3=hub._looks_exl3(repo, tags, config))
-    readme = _get_text(repo, info.sha or "main", "README.md", README_LIMIT) if info.sha else None
+    info = hub.repo_details(repo)
+    card = RepoCard(repo=repo, architecture=info.architecture, downloads=info.downloads, likes=info.likes,
+                    tags=info.tags, parameters=info.parameters, is_exl3=info.is_exl3)
+    readme = hub.read_text(repo, info.commit, "README.md", README_LIMIT) if info.commit else None
     if readme:
         meta, card.summary = card_summary(readme)
         lic = meta.get("license", "")
@@ -172,7 +148,7 @@ def revision_rows(repo: str, context: int, capacity: list[int],
             row.total_bytes = sum(f.size for f in files)
             row.file_count = len(files)
             if any(f.path == "config.json" for f in files):
-                text = _get_text(repo, commit, "config.json", 4 << 20)
+                text = hub.read_text(repo, commit, "config.json", 4 << 20)
                 config = json.loads(text) if text else {}
                 quant = config.get("quantization_config") if isinstance(config, dict) else None
                 if isinstance(quant, dict) and quant.get("quant_method") == "exl3":

@@ -84,6 +84,21 @@ class Revision:
 
 
 @dataclass
+class RepoDetails:
+    """What the hub says about one revision of a repo: what a model card shows besides its README."""
+
+    id: str
+    commit: str                    # the revision pinned to its commit ("" if the hub did not say)
+    tags: list[str] = field(default_factory=list)
+    downloads: int = 0
+    likes: int = 0
+    config: dict = field(default_factory=dict)   # the hub's copy of config.json (a subset of keys)
+    architecture: str = ""
+    parameters: Optional[int] = None
+    is_exl3: bool = False
+
+
+@dataclass
 class RepoFileInfo:
     path: str
     size: int
@@ -154,7 +169,7 @@ def search_models(query: str = "", architecture: Optional[str] = None, min_param
         tags = list(m.tags or [])
         summary = RepoSummary(id=m.id, author=m.author or m.id.split("/")[0], downloads=m.downloads or 0,
                               likes=m.likes or 0, tags=tags, architecture=arch, parameters=params,
-                              is_exl3=_looks_exl3(m.id, tags, config),
+                              is_exl3=looks_exl3(m.id, tags, config),
                               last_modified=m.last_modified.isoformat() if m.last_modified else "")
         if architecture and architecture.lower() not in (arch.lower(), str(config.get("model_type", "")).lower()):
             continue
@@ -167,10 +182,12 @@ def search_models(query: str = "", architecture: Optional[str] = None, min_param
     return results[:limit]
 
 
-def _looks_exl3(repo_id: str, tags: list[str], config: dict) -> bool:
-    quant = config.get("quantization_config") or {}
+def looks_exl3(repo_id: str, tags: list[str], config: dict) -> bool:
+    """Whether a repo holds an EXL3 model, judged from what a listing shows without downloading:
+    its config's quant_method, an "exl3" tag, or "exl3" in its name (how such repos are named)."""
+    quant = (config or {}).get("quantization_config") or {}
     return (isinstance(quant, dict) and quant.get("quant_method") == "exl3") or "exl3" in repo_id.lower() \
-        or any(t.lower() == "exl3" for t in tags)
+        or any(t.lower() == "exl3" for t in tags or ())
 
 
 _BITS_RE = re.compile(r"(\d+(?:[._]\d+)?)\s*-?bpw", re.IGNORECASE)
@@ -179,6 +196,40 @@ _BITS_RE = re.compile(r"(\d+(?:[._]\d+)?)\s*-?bpw", re.IGNORECASE)
 def bits_from_name(name: str) -> Optional[float]:
     m = _BITS_RE.search(name)
     return float(m.group(1).replace("_", ".")) if m else None
+
+
+def repo_details(repo: str, revision: Optional[str] = None) -> RepoDetails:
+    """Tags, counts, config and parameter count of a repo's revision (None: the default branch),
+    in one request.
+    RepoNotFound when the repo or revision does not exist; HubOffline when the hub cannot be reached."""
+    try:
+        info = _api().model_info(repo, revision=revision)
+    except Exception as e:
+        raise _translate(e, f"open {repo}") from None
+    config = info.config if isinstance(info.config, dict) else {}
+    archs = config.get("architectures") or [""]
+    tags = list(info.tags or [])
+    return RepoDetails(id=info.id or repo, commit=info.sha or "", tags=tags, downloads=info.downloads or 0,
+                       likes=info.likes or 0, config=config, architecture=archs[0] if archs else "",
+                       parameters=getattr(getattr(info, "safetensors", None), "total", None),
+                       is_exl3=looks_exl3(repo, tags, config))
+
+
+def read_text(repo: str, commit: str, path: str, limit: int = 4 << 20) -> Optional[str]:
+    """The first `limit` bytes of one file of a revision, decoded as UTF-8 (bad bytes replaced), or
+    None when the revision has no such file. For small text files (config.json, README.md) that
+    are read to be shown or planned with, not kept; `download` is for files that are kept."""
+    from huggingface_hub.utils import build_hf_headers, get_session
+    try:
+        r = get_session().get(file_url(repo, commit, path), timeout=30, follow_redirects=True,
+                              headers=build_hf_headers(token=os.environ.get("HF_TOKEN") or False))
+    except Exception as e:
+        raise _translate(e, f"read {path} of {repo}") from None
+    if r.status_code == 404:
+        return None
+    if r.status_code != 200:
+        raise HubError(f"cannot read {path} of {repo}: the hub answered HTTP {r.status_code}")
+    return r.content[:limit].decode("utf-8", "replace")
 
 
 def list_revisions(repo: str) -> list[Revision]:

@@ -97,6 +97,46 @@ def test_unknown_repo_and_revision(fake_hub):
         hub.list_files("a/b", "9.9bpw")
 
 
+def test_repo_details_and_read_text_for_the_app(fake_hub):
+    """The public calls the app's hub browser and wizard use (app/hub_info.py)."""
+    readme = "---\nlicense: mit\n---\nA small model.\n" + "x" * 5000
+    repo = fake_hub.add_repo("turbo/Tiny-exl3", {"main": {"README.md": readme.encode(), "config.json": b"{}"},
+                                                 "4.0bpw": {"config.json": b'{"a": 1}'}},
+                             config={"architectures": ["LlamaForCausalLM"]}, hub_tags=["exl3", "llama"],
+                             downloads=42, likes=7, parameters=1234)
+    d = hub.repo_details("turbo/Tiny-exl3")
+    assert (d.id, d.commit, d.tags, d.downloads, d.likes) == ("turbo/Tiny-exl3", repo.commit("main"),
+                                                              ["exl3", "llama"], 42, 7)
+    assert d.architecture == "LlamaForCausalLM" and d.parameters == 1234 and d.is_exl3
+    assert hub.repo_details("turbo/Tiny-exl3", "4.0bpw").commit == repo.commit("4.0bpw")
+    assert hub.read_text("turbo/Tiny-exl3", d.commit, "README.md", 100) == readme[:100]
+    assert hub.read_text("turbo/Tiny-exl3", repo.commit("4.0bpw"), "config.json") == '{"a": 1}'
+    assert hub.read_text("turbo/Tiny-exl3", d.commit, "missing.md") is None
+    with pytest.raises(hub.RepoNotFound, match="does not exist"):
+        hub.repo_details("turbo/missing")
+
+
+@pytest.mark.parametrize("repo_id, tags, config, expected", [
+    ("a/plain", [], {}, False),
+    ("a/Model-EXL3", [], {}, True),
+    ("a/plain", ["EXL3"], {}, True),
+    ("a/plain", [], {"quantization_config": {"quant_method": "exl3"}}, True),
+    ("a/plain", [], {"quantization_config": {"quant_method": "gptq"}}, False),
+    ("a/plain", [], None, False),
+])
+def test_looks_exl3(repo_id, tags, config, expected):
+    assert hub.looks_exl3(repo_id, tags, config) is expected
+
+
+def test_repo_details_and_read_text_offline_are_one_line(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for call in (lambda: hub.repo_details("a/b"), lambda: hub.read_text("a/b", "0" * 40, "README.md")):
+        with pytest.raises(hub.HubOffline, match="cannot be reached") as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
 DOWNLOAD_SCRIPT = ("import sys; from engine import hub; "
                    "hub.download(sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])")
 

@@ -27,7 +27,7 @@ SAMPLES = [
     p.Status(id="5"),
     p.Plan(id="6", model="org/repo", context=32768, batch=2, cache_bits=[8, 8]),
     p.Convert(id="7", input_dir="/in", output_dir="/out", bits=3.5, head_bits=6, work_dir="/w", resume=False,
-              codebook="mcg"),
+              codebook="mcg", calibration="/data/my texts", cal_rows=8, cal_cols=64, device="cpu"),
     p.Download(id="8", repo="org/repo", revision="4.0bpw", files=["config.json"], local_dir="/models/x"),
     p.Shutdown(id="9"),
     p.Hello(protocol=1, engine_version="0.1.0", pid=42, devices=[p.DeviceMemory("cuda:0", "H200", 10, 5, 3, 4)]),

@@ -276,6 +276,113 @@ def test_convert_relays_progress_and_cancels(ref_fixtures, tmp_path):
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+def test_convert_passes_user_calibration_to_the_converter(tmp_path):
+    """The worker's arguments parse with the converter's own parser, calibration included."""
+    import argparse
+    from pathlib import Path
+    from engine import convert_cli
+    from engine.worker.loop import convert_args
+    parser = argparse.ArgumentParser()
+    convert_cli.register(parser.add_subparsers(dest="command"))
+    cal = tmp_path / "my texts"
+    ns = parser.parse_args(convert_args(p.Convert(input_dir="/in", output_dir="/out", bits=3.0, calibration=str(cal),
+                                                  cal_rows=8, device="cpu")))
+    assert ns.calibration == cal and ns.cal_rows == 8 and ns.device == "cpu" and ns.resume and ns.progress_json
+    assert ns.in_dir == Path("/in") and ns.out_dir == Path("/out") and ns.bits == 3.0
+    for built_in in (None, ""):
+        ns = parser.parse_args(convert_args(p.Convert(input_dir="/in", output_dir="/out", calibration=built_in)))
+        assert ns.calibration is None
+
+
+# A stand-in for `trellis convert --progress-json`: it records its arguments, then prints "start" and
+# the first module back to back (so the second falls inside the progress rate limit). An output
+# folder named "fail" makes it exit 1 right there; otherwise the last modules follow later.
+FAKE_CONVERTER = r"""
+import json, sys, time
+args = sys.argv[1:]
+out = args[args.index("-o") + 1]
+open(out + ".args.json", "w").write(json.dumps(args))
+def event(stage, index, module=""):
+    print(json.dumps({"event": "progress", "stage": stage, "index": index, "total": 3, "module": module}), flush=True)
+event("start", 0)
+event("module", 1, "model.embed_tokens")
+if out.endswith("fail"):
+    print("calibration data nowhere.txt does not exist", file=sys.stderr, flush=True)
+    sys.exit(1)
+time.sleep(0.5)
+event("module", 2, "model.layers.0")
+event("module", 3, "lm_head")
+event("compile", 3)
+event("done", 3)
+"""
+
+
+def _convert_with_fake_converter(monkeypatch, out, **kw):
+    import sys
+    from engine.worker import loop
+    monkeypatch.setattr(loop, "trellis_command", lambda args: [sys.executable, "-c", FAKE_CONVERTER, *args])
+    answer, sink = _run_task(p.Convert(id="F", input_dir="/in", output_dir=str(out), **kw), timeout=30)
+    progress = [e for e in sink.events() if e.type == "progress"]
+    return answer, progress, sink.events()
+
+
+def test_fast_follow_up_progress_arrives_and_final_is_last(monkeypatch, tmp_path):
+    cal = tmp_path / "cal.txt"
+    answer, progress, events = _convert_with_fake_converter(monkeypatch, tmp_path / "o", calibration=str(cal))
+    assert answer.type == "result" and events[-1] == answer
+    messages = [e.message for e in progress]
+    assert messages[:2] == ["start", "model.embed_tokens"]       # held by the rate limit, then delivered
+    assert "model.layers.0" in messages
+    assert progress[-1].fraction == 1.0 and progress[-1].eta_s == 0.0
+    assert all(e.fraction is not None for e in progress)
+    fractions = [e.fraction for e in progress]
+    assert fractions == sorted(fractions)                      # nothing stale after a newer event
+    args = json.loads((tmp_path / "o.args.json").read_text())
+    assert args[args.index("--calibration") + 1] == str(cal)
+
+
+def test_held_progress_is_delivered_before_the_error(monkeypatch, tmp_path):
+    answer, progress, events = _convert_with_fake_converter(monkeypatch, tmp_path / "fail")
+    assert answer.type == "error" and answer.code == p.ErrorCode.CONVERT_FAILED and "does not exist" in answer.message
+    assert [e.message for e in progress] == ["start", "model.embed_tokens"]
+    assert events.index(progress[-1]) < events.index(answer)
+    assert "--calibration" not in json.loads((tmp_path / "fail.args.json").read_text())
+
+
+def _clock(min_interval_s):
+    from engine.worker.loop import ProgressClock
+    sent = []
+    return ProgressClock(sent.append, "T", p.TaskKind.CONVERT, min_interval_s=min_interval_s), sent
+
+
+def test_progress_clock_sends_the_latest_held_event_on_the_next_tick():
+    clock, sent = _clock(0.05)
+    clock(0.0, "start")
+    clock(0.1, "model.embed_tokens")
+    clock(0.2, "model.layers.0")
+    assert [e.message for e in sent] == ["start"]
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert [e.message for e in sent] == ["start", "model.layers.0"]   # the newest held one, once
+    assert clock.fraction == 0.2 and clock.message == "model.layers.0"
+
+
+def test_progress_clock_flush_and_final_event():
+    clock, sent = _clock(60.0)                  # no tick within the test: only flush or final send
+    clock(0.0, "start")
+    clock(0.1, "model.embed_tokens")
+    assert [e.message for e in sent] == ["start"]
+    clock.flush()
+    assert [e.message for e in sent] == ["start", "model.embed_tokens"]
+    clock.flush()                               # nothing held: nothing sent twice
+    clock(0.5, "model.layers.0")                # held
+    clock(1.0, "done")                          # final: at once, and the held one is dropped (older)
+    clock.flush()
+    assert [(e.message, e.fraction, e.eta_s) for e in sent[2:]] == [("done", 1.0, 0.0)]
+
+
 def test_quantized_cache_is_refused_not_ignored(worker, model_dir):
     err = load(worker, model_dir, cache_bits=[4, 4])[-1]
     assert err.type == "error" and err.code == p.ErrorCode.UNSUPPORTED and "cache_bits" in err.message

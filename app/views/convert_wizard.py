@@ -6,8 +6,8 @@ The conversion is a job whose only state is its work folder (engine/convert.py),
 wizard, or the app, loses nothing: the job stops after asking, and the next wizard lists it under
 "Unfinished conversions" with a Resume button (app/convert_job.py remembers the settings; the
 converter checks that they still match the work folder). The run goes through the engine's
-`convert` command when it can, and through `trellis convert` in a QProcess when the request
-needs what the protocol cannot carry (user calibration data) or the engine is not running.
+`convert` command (user calibration data included) when the engine runs, and through
+`trellis convert` in a QProcess when it does not.
 """
 from __future__ import annotations
 
@@ -64,13 +64,12 @@ class _FetchConfig(QRunnable):
         self.signals = _FetchSignals()
 
     def run(self) -> None:
-        from app import hub_info
         from engine import hub
         try:
             commit, files = hub.repo_files(self.repo, self.revision)
             if not any(f.path.endswith(".safetensors") for f in files):
                 raise hub.HubError(f"{self.repo}@{self.revision} has no .safetensors weights to convert")
-            text = hub_info._get_text(self.repo, commit, "config.json", 4 << 20)
+            text = hub.read_text(self.repo, commit, "config.json", 4 << 20)
             if text is None:
                 raise hub.HubError(f"{self.repo}@{self.revision} has no config.json: it is not a model")
             cfg = json.loads(text)
@@ -544,7 +543,7 @@ class RunPage(QWizardPage):
     def _convert(self) -> None:
         req = self.request
         J.remember(req)
-        use_engine = self.client.running and not req.calibration
+        use_engine = self.client.running
         self.runner = J.EngineConvert(self.client, self) if use_engine else J.ProcessConvert(self)
         self.runner.progress.connect(self._progress)
         self.runner.finished.connect(self._finished)

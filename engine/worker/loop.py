@@ -29,25 +29,32 @@ ENGINE_VERSION = "0.1.0"
 
 class ProgressClock:
     """Turns fractions into progress events with an ETA (linear extrapolation), rate-limited so
-    a fast loop cannot flood the pipe."""
+    a fast loop cannot flood the pipe.
+
+    Rate limiting never loses the newest state: an event that comes too soon after the last one
+    is held (a newer one replaces it) and sent when the interval is over, by a timer, or by
+    `flush()`, which the task calls before its result or error, so what a client shows last is
+    what the task said last. The final event (fraction 1.0) is sent at once and drops any held,
+    older one, so nothing stale can arrive after it."""
 
     def __init__(self, emit: Callable[[p.Progress], None], command_id: Optional[str], task: str,
                  min_interval_s: float = 0.1):
         self.emit, self.command_id, self.task = emit, command_id, task
         self.start = time.monotonic()
         self.min_interval_s = min_interval_s
-        self.last_sent = 0.0
+        self.last_sent = float("-inf")
         self.fraction: Optional[float] = None
         self.message = ""
+        # One lock orders every send: a held event flushed by the timer thread cannot pass a
+        # later event sent by the task's thread.
+        self._lock = threading.Lock()
+        self._held: Optional[p.Progress] = None
+        self._timer: Optional[threading.Timer] = None
 
     def __call__(self, fraction: Optional[float], message: str = "", eta_s: Optional[float] = None) -> None:
         """`eta_s` from the task itself (it knows its remaining work better) wins over extrapolation."""
         now = time.monotonic()
-        self.fraction, self.message = fraction, message
         final = fraction is not None and fraction >= 1.0
-        if not final and now - self.last_sent < self.min_interval_s:
-            return
-        self.last_sent = now
         eta = None
         if fraction is not None and 0 < fraction < 1:
             eta = round((now - self.start) * (1 - fraction) / fraction, 2)
@@ -55,9 +62,39 @@ class ProgressClock:
             eta = 0.0
         if eta_s is not None and not final:
             eta = round(float(eta_s), 2)
-        self.emit(p.Progress(id=self.command_id, task=self.task,
-                             fraction=None if fraction is None else round(float(fraction), 4),
-                             eta_s=eta, message=message))
+        event = p.Progress(id=self.command_id, task=self.task,
+                           fraction=None if fraction is None else round(float(fraction), 4),
+                           eta_s=eta, message=message)
+        with self._lock:
+            self.fraction, self.message = fraction, message
+            wait = self.last_sent + self.min_interval_s - now
+            if final or wait <= 0:
+                self._held = None
+                self._cancel_timer()
+                self._send(event, now)
+                return
+            self._held = event
+            if self._timer is None:
+                self._timer = threading.Timer(wait, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Send the held event, if any, now."""
+        with self._lock:
+            self._cancel_timer()
+            if self._held is not None:
+                event, self._held = self._held, None
+                self._send(event, time.monotonic())
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _send(self, event: p.Progress, now: float) -> None:
+        self.last_sent = now
+        self.emit(event)
 
 
 @dataclass
@@ -162,10 +199,13 @@ class Worker:
             clock = ProgressClock(self.emit, cmd.id, p.TaskKind.LOAD)
             try:
                 info = self.host.load(cmd, clock)
+                clock.flush()
                 self.emit(p.Result(id=cmd.id, command="load", data=_asdict(info)))
             except WorkerError as e:
+                clock.flush()
                 self.error(cmd, e.code, str(e))
             finally:
+                clock.flush()       # before any error the job queue reports for an unexpected failure
                 self._state = "idle"
         self.engine.submit(Job(run=run, on_dropped=lambda: self.error(
             cmd, p.ErrorCode.CANCELLED, "load cancelled: the worker is shutting down")))
@@ -249,11 +289,15 @@ class Worker:
             self.tasks[task_id] = task
 
         def run():
+            # A task body calls task.clock.flush() before its result; an error flushes here, so a
+            # held progress event is never lost and never arrives after the task's last word.
             try:
                 body(task)
             except WorkerError as e:
+                task.clock.flush()
                 self.error(cmd, e.code, str(e))
             except Exception as e:
+                task.clock.flush()
                 traceback.print_exc(file=sys.stderr)
                 self.error(cmd, p.ErrorCode.INTERNAL, f"internal error in {kind}: {type(e).__name__}: {e}")
             finally:
@@ -283,20 +327,7 @@ class Worker:
     def on_convert(self, cmd: p.Convert) -> None:
         if not cmd.input_dir or not cmd.output_dir:
             raise WorkerError("convert needs input_dir and output_dir", p.ErrorCode.BAD_COMMAND)
-        args = ["convert", "-i", cmd.input_dir, "-o", cmd.output_dir, "-b", str(cmd.bits)]
-        if cmd.head_bits is not None:
-            args += ["-hb", str(cmd.head_bits)]
-        if cmd.work_dir:
-            args += ["-w", cmd.work_dir]
-        if cmd.resume:
-            args += ["-r"]
-        if cmd.codebook:
-            args += ["--codebook", cmd.codebook]
-        for flag, value in (("--cal-rows", cmd.cal_rows), ("--cal-cols", cmd.cal_cols), ("--device", cmd.device)):
-            if value is not None:
-                args += [flag, str(value)]
-
-        args += ["--progress-json"]
+        args = convert_args(cmd)
 
         def body(task: Task):
             # The converter writes progress as JSON lines on stdout and its one-line errors on stderr.
@@ -319,7 +350,7 @@ class Worker:
             if code != 0:
                 raise WorkerError(_last_line(last) or f"conversion failed (exit code {code})",
                                   p.ErrorCode.CONVERT_FAILED)
-            task.clock(1.0, "conversion finished")
+            task.clock(1.0, "conversion finished")      # final: sent at once, nothing held after it
             self.emit(p.Result(id=cmd.id, command="convert", data={"output_dir": cmd.output_dir}))
         self._start_task(cmd, "convert", body)
 
@@ -338,11 +369,30 @@ class Worker:
                 raise WorkerError(str(e), p.ErrorCode.OFFLINE) from None
             except hub.HubError as e:
                 raise WorkerError(str(e), p.ErrorCode.DOWNLOAD_FAILED) from None
+            task.clock.flush()
             self.emit(p.Result(id=cmd.id, command="download", data={"local_dir": str(local)}))
         self._start_task(cmd, "download", body)
 
 
 # ---------------------------------------------------------------------- helpers
+
+def convert_args(cmd: p.Convert) -> list[str]:
+    """`trellis convert` arguments for a Convert command (engine/convert_cli.py defines them)."""
+    args = ["convert", "-i", cmd.input_dir, "-o", cmd.output_dir, "-b", str(cmd.bits)]
+    if cmd.head_bits is not None:
+        args += ["-hb", str(cmd.head_bits)]
+    if cmd.work_dir:
+        args += ["-w", cmd.work_dir]
+    if cmd.resume:
+        args += ["-r"]
+    if cmd.codebook:
+        args += ["--codebook", cmd.codebook]
+    for flag, value in (("--cal-rows", cmd.cal_rows), ("--cal-cols", cmd.cal_cols),
+                        ("--calibration", cmd.calibration), ("--device", cmd.device)):
+        if value is not None and value != "":
+            args += [flag, str(value)]
+    return args + ["--progress-json"]
+
 
 def trellis_command(args: list[str]) -> list[str]:
     """`trellis ARGS` with this interpreter, so the child uses the same environment."""

@@ -273,6 +273,7 @@ class Convert(Message):
     codebook: Optional[str] = None  # "mul1" | "mcg" | "3inst"
     cal_rows: Optional[int] = None  # calibration size (None: the converter's defaults)
     cal_cols: Optional[int] = None
+    calibration: Optional[str] = None  # a user's text file or folder; None: the built-in corpus
     device: Optional[str] = None    # "auto", "cpu", "cuda:N"
 
 

@@ -70,3 +70,42 @@ def test_wizard_refuses_an_exl3_source_and_bad_folder(qtbot, pane, ref_fixtures,
     wiz.source.combo.setEditText(str(tmp_path))
     assert not wiz.source.isComplete() and "config.json" in wiz.source.info.text()
     assert wiz.button(QWizard.NextButton).isEnabled() is False
+
+
+@pytest.fixture
+def restore_theme(qapp):
+    """theme.apply changes the whole application; put it back for the tests that follow. Ask for
+    it before qtbot, so that it is torn down after qtbot has closed the test's widgets."""
+    style, palette, sheet = qapp.style().name(), qapp.palette(), qapp.styleSheet()
+    yield qapp
+    qapp.setStyleSheet(sheet)
+    qapp.setPalette(palette)
+    if qapp.style().name() != style:
+        qapp.setStyle(style)
+
+
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_disabled_wizard_buttons_look_disabled(restore_theme, qtbot, make_client, tmp_path, dark):
+    from PySide6.QtGui import QPalette
+    from app import theme
+    from app.views.convert_wizard import ConvertWizard
+    theme.apply(restore_theme, dark=dark)
+    wiz = ConvertWizard(make_client(start=False), [], str(tmp_path), capacity=[])
+    wiz.confirm_close = False
+    qtbot.addWidget(wiz)
+    wiz.show()
+    back, nxt = wiz.button(QWizard.BackButton), wiz.button(QWizard.NextButton)
+    assert not back.isEnabled() and not nxt.isEnabled()     # first page, no source chosen
+    for button in (back, nxt, wiz.button(QWizard.FinishButton)):
+        pal = button.palette()
+        for role in (QPalette.ButtonText, QPalette.Button):
+            assert pal.color(QPalette.Disabled, role) != pal.color(QPalette.Active, role), (button.text(), role)
+        # faded: the disabled text sits closer to the button's fill than the enabled text does
+        fill = pal.color(QPalette.Active, QPalette.Button).lightness()
+        assert abs(pal.color(QPalette.Disabled, QPalette.ButtonText).lightness() - fill) < \
+            abs(pal.color(QPalette.Active, QPalette.ButtonText).lightness() - fill)
+    # and the pixels differ: the same button drawn disabled and enabled
+    off = nxt.grab().toImage()
+    nxt.setEnabled(True)
+    on = nxt.grab().toImage()
+    assert off.size() == on.size() and off != on

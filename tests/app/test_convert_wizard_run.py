@@ -55,7 +55,7 @@ def test_convert_close_resume_finish(qtbot, make_client, ref_fixtures, tmp_path)
     calib = tmp_path / "calibration.txt"
     calib.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog while the "
                                  f"river runs to the sea and the bells ring {i} times." for i in range(40)))
-    client = make_client()          # the fake engine: user calibration runs the converter process itself
+    client = make_client(start=False)   # no engine running: the wizard runs the converter process itself
 
     wiz = ConvertWizard(client, [("tiny-llama", str(src))], str(models), capacity=[8 << 30], context=4096)
     wiz.confirm_close = False
@@ -173,6 +173,37 @@ def test_hub_source_downloads_then_converts_through_the_engine(qtbot, make_clien
         qtbot.waitUntil(lambda: not wiz.run.running, timeout=30000)
         assert "cancelled" in wiz.run.message.text()
         assert J.modules_done(work) >= 1
+
+
+def test_user_calibration_goes_through_the_running_engine(qtbot, make_client, ref_fixtures, tmp_path):
+    """With the engine running, a conversion on the user's own text is the engine's convert command
+    (carrying the calibration path), not a converter process of the wizard's own."""
+    models = tmp_path / "models"
+    src = models / "llama"
+    shutil.copytree(ref_fixtures / "hf" / "llama", src)
+    calib = tmp_path / "calibration"
+    calib.mkdir()
+    (calib / "notes.txt").write_text("Some of my own text to calibrate on. " * 50)
+    client = make_client()                                   # the fake engine
+    sent = []
+    send = client.send
+    client.send = lambda msg: (sent.append(msg), send(msg))[1]
+    wiz = ConvertWizard(client, [("llama", str(src))], str(models), capacity=[8 << 30])
+    wiz.confirm_close = False
+    qtbot.addWidget(wiz)
+    wiz.show()
+    wiz.next()
+    wiz.target.calibration.setCurrentIndex(1)
+    wiz.target.cal_path.setText(str(calib))
+    assert wiz.target.isComplete()
+    wiz.next()
+    out = wiz.output.output.text()
+    with qtbot.waitSignal(wiz.converted, timeout=20000) as sig:
+        wiz.next()
+        assert isinstance(wiz.run.runner, J.EngineConvert)
+    assert sig.args == [out] and wiz.run.isComplete()
+    converts = [m for m in sent if m.type == "convert"]
+    assert len(converts) == 1 and converts[0].calibration == str(calib) and converts[0].output_dir == out
 
 
 def test_unfinished_job_listed_and_discarded(qtbot, make_client, ref_fixtures, tmp_path):

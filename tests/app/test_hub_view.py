@@ -97,6 +97,58 @@ def test_card_summary_reads_front_matter_and_first_paragraph():
     assert text == "A tiny Llama quantized to EXL3, for tests."
 
 
+def private_hub_names_used(source: str) -> list[str]:
+    """`engine.hub` names starting with an underscore that `source` reaches for."""
+    import ast
+    tree = ast.parse(source)
+    aliases, used = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "engine":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "hub"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "engine.hub":
+            used += [a.name for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "engine.hub" and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in aliases:
+                used.append(node.attr)
+            elif ast.unparse(node.value) == "engine.hub":
+                used.append(node.attr)
+    return used
+
+
+def test_app_uses_only_public_engine_hub_names():
+    from pathlib import Path
+    assert private_hub_names_used("from engine import hub\nhub._api()\nfrom engine.hub import _translate") == \
+        ["_translate", "_api"]                               # the check itself finds them
+    app_dir = Path(__file__).resolve().parents[2] / "app"
+    found = {str(p.relative_to(app_dir)): names for p in sorted(app_dir.rglob("*.py"))
+             if (names := private_hub_names_used(p.read_text()))}
+    assert found == {}
+
+
+def test_repo_card_through_public_hub_calls(monkeypatch):
+    from app import hub_info
+    with FakeHub() as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        fake.add_repo("turbo/tiny-exl3", {"main": {"README.md": README, "config.json": b"{}"}},
+                      config={"architectures": ["LlamaForCausalLM"]}, hub_tags=["exl3"], downloads=12, likes=3,
+                      parameters=5000)
+        fake.add_repo("meta/no-card", {"main": {"config.json": b"{}"}}, config={"architectures": ["X"]})
+        card = hub_info.repo_card("turbo/tiny-exl3")
+        assert (card.architecture, card.downloads, card.likes, card.parameters, card.is_exl3) == \
+            ("LlamaForCausalLM", 12, 3, 5000, True)
+        assert card.license == "apache-2.0" and card.base_model == "meta/tiny"
+        assert card.summary == "A tiny Llama quantized to EXL3, for tests."
+        bare = hub_info.repo_card("meta/no-card")
+        assert bare.summary == "" and not bare.is_exl3 and bare.architecture == "X"
+        from engine import hub
+        with pytest.raises(hub.RepoNotFound):
+            hub_info.repo_card("meta/missing")
+
+
 @pytest.mark.slow   # one engine process (torch import) and several downloads: ~15 s on 2 busy cores
 def test_search_revisions_download_pause_resume_cancel(qtbot, hub_env, engine, tmp_path):
     pane = HubPane(engine)
