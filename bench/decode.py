@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -38,7 +39,12 @@ def load(model_dir: Path, path: str):
     from engine.ops.model_patch import route_quant_linears
 
     t0 = time.time()
-    model = load_model(model_dir, device="cuda")
+    if path == "torch":  # the baseline: QuantLinear keeps a reconstructed dense weight
+        os.environ["TRELLIS_KERNELS"] = "torch"
+    try:
+        model = load_model(model_dir, device="cuda")
+    finally:
+        os.environ.pop("TRELLIS_KERNELS", None)
     if path != "torch":
         route_quant_linears(model)
     torch.cuda.synchronize()
