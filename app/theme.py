@@ -1,5 +1,6 @@
 """Light and dark themes that follow the system colour scheme (Qt 6.5+ reports it), applied as a
-Fusion palette plus resources/style.qss with the colours filled in."""
+Fusion palette plus resources/style.qss with the colours (and @resources, the folder of its images)
+filled in."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,7 +51,13 @@ def _set_disabled_colors(pal: QPalette, c: dict) -> None:
 def apply(app: QApplication, dark: bool | None = None) -> bool:
     dark = system_is_dark() if dark is None else dark
     c = COLORS[dark]
-    app.setStyle("Fusion")
+    # Once only: setStyle replaces (and deletes) the style object even when it is already Fusion,
+    # and an open QWizard then crashes the app on the next stylesheet change (seen when the system
+    # switched theme with the convert wizard open). app.style() cannot tell us, since with a
+    # stylesheet it is Qt's stylesheet proxy, whose name is empty.
+    if not app.property("trellisFusion"):
+        app.setStyle("Fusion")
+        app.setProperty("trellisFusion", True)
     pal = QPalette()
     pal.setColor(QPalette.Window, QColor(c["window"]))
     pal.setColor(QPalette.WindowText, QColor(c["text"]))
@@ -68,6 +75,7 @@ def apply(app: QApplication, dark: bool | None = None) -> bool:
     _set_disabled_colors(pal, c)
     app.setPalette(pal)
     qss = STYLE.read_text() if STYLE.exists() else ""
+    qss = qss.replace("@resources", STYLE.parent.as_posix())
     for k, v in sorted(c.items(), key=lambda kv: -len(kv[0])):
         qss = qss.replace("@" + k, v)
     app.setStyleSheet(qss)

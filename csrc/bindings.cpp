@@ -8,6 +8,9 @@
 
 namespace {
 
+// Codebook ids as in csrc/exl3_decode.cuh (kept torch-free, so not included here).
+constexpr int64_t kCodebookMul1 = 2;
+
 #define CHECK_CUDA_OK(expr)                                                             \
     do {                                                                                \
         cudaError_t err_ = (expr);                                                      \
@@ -62,7 +65,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     if (m == 0) return y;
     auto stream = at::cuda::getCurrentCUDAStream();
     const int chunk = (int)std::min<int64_t>(m, trellis::kMaxFusedRows);
-    const bool use_i8 = int8_mode != 0 && codebook == trellis::CB_MUL1 && m <= 8;
+    const bool use_i8 = int8_mode != 0 && codebook == kCodebookMul1 && m <= 8;
     auto xh = torch::empty({chunk, in}, x.options());
     torch::Tensor sq, scales, csum;
     if (use_i8) {

@@ -157,7 +157,7 @@ class ChatPane(QWidget):
         self.attach_button.setIcon(icon("image"))
         self.attach_button.setToolTip("Attach images (or drop / paste them)")
         self.attach_button.clicked.connect(self._pick_images)
-        self.send_button = QPushButton(icon("send"), "Send")
+        self.send_button = QPushButton(icon("send", on_accent=True), "Send")
         self.send_button.setObjectName("sendButton")
         self.send_button.clicked.connect(self._send_or_stop)
         comp = QHBoxLayout()
@@ -439,7 +439,7 @@ class ChatPane(QWidget):
 
     def _on_streaming(self, on: bool) -> None:
         self.send_button.setText("Stop" if on else "Send")
-        self.send_button.setIcon(icon("stop" if on else "send"))
+        self.send_button.setIcon(icon("stop", "#ffffff") if on else icon("send", on_accent=True))
         self.send_button.setProperty("streaming", on)
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)

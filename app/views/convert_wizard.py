@@ -519,6 +519,7 @@ class RunPage(QWizardPage):
         self.finished_ok = False
         self.bar.setValue(0)
         self.log.clear()
+        self._last_logged = None
         self.eta.setText("")
         self.resumed_from = None
         self.request = w.request()
@@ -618,7 +619,9 @@ class RunPage(QWizardPage):
             self.message.setText("Loading the model and the calibration data…")
         elif p.stage == "compile":
             self.message.setText("Writing the output folder…")
-        if p.stage == "module" and p.module:
+        # Through the engine (the usual path) a finished module arrives with stage "" and no report.
+        if p.module and p.stage in ("module", "") and p.module != getattr(self, "_last_logged", None):
+            self._last_logged = p.module
             r = p.report or {}
             if r.get("K") == 16:
                 bits = " · kept at 16 bits"

@@ -87,6 +87,7 @@ class LibraryPane(QWidget):
         self.client = client
         self.model = LibraryModel(self)
         self._scan: _Scan | None = None
+        self._old_scans: list[_Scan] = []
         self._load_id: str | None = None
 
         self.folders = QComboBox()
@@ -197,12 +198,17 @@ class LibraryPane(QWidget):
     # ------------------------------------------------------------------ scanning
     def rescan(self) -> None:
         self.status.setText("Reading model folders…")
+        if self._scan is not None:      # a scan may still run: keep it alive (its result will be ignored)
+            self._old_scans.append(self._scan)
         self._scan = _Scan(settings.model_folders())
         self._scan.setAutoDelete(False)
         self._scan.signals.finished.connect(self._scanned, Qt.QueuedConnection)
         QThreadPool.globalInstance().start(self._scan)
 
     def _scanned(self, entries: list) -> None:
+        # Two rescans in a row (adding two folders) run at once; only the newest may fill the table.
+        if self._scan is not None and self.sender() is not None and self.sender() is not self._scan.signals:
+            return
         self._entries = entries
         self._refresh_fits()
         n = len(entries)

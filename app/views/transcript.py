@@ -46,6 +46,7 @@ class Transcript(QTextBrowser):
         self.dark = False
         self.setOpenLinks(False)
         self.setObjectName("transcript")
+        self.document().setIndentWidth(22)     # Qt's 40 px per list level wastes a narrow pane
         self.anchorClicked.connect(self._on_anchor)
         self._cache: dict[tuple, str] = {}
         self._conv_id: int | None = None
