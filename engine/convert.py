@@ -229,8 +229,12 @@ class ConversionJob:
         if self.work.resolve() == self.out_dir.resolve() or self.work.resolve() == self.in_dir.resolve():
             raise ConversionError("the working folder must differ from the input and output folders")
         self._check_work_dir()
-        self.finished = bool(self.existing and self.existing.get("compiled_to") == str(self.out_dir.resolve())
-                             and (self.out_dir / "quantization_config.json").is_file())
+        complete = (self.out_dir / "quantization_config.json").is_file()
+        self.finished = complete and bool(
+            (self.existing and self.existing.get("compiled_to") == str(self.out_dir.resolve()))
+            # killed after the working folder was discarded: the job had already finished
+            or (self.resume and self.existing is None and not self.work.exists())
+        )
         if self.finished:
             return  # killed after the output was renamed into place: only cleanup is left
         if self.out_dir.exists() and (not self.out_dir.is_dir() or any(self.out_dir.iterdir())):
@@ -245,7 +249,18 @@ class ConversionJob:
             h.update(str(p.stat().st_size).encode())
         return h.hexdigest()[:16]
 
+    def _discard_work(self) -> None:
+        """Rename, then delete: a kill during the deletion never leaves a half-removed job folder
+        for a later resume to trip over (the folder is either whole or gone)."""
+        if not self.work.exists():
+            return
+        trash = self.work.with_name(f".{self.work.name}.discard-{os.getpid()}")
+        os.replace(self.work, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
     def _check_work_dir(self) -> None:
+        for stale in self.work.parent.glob(f".{self.work.name}.discard-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         job_file = self.work / "job.json"
         self.existing = None
         if not job_file.exists():
@@ -334,7 +349,7 @@ class ConversionJob:
         self.validate()
         if self.finished:
             if not self.s.keep_work:
-                shutil.rmtree(self.work, ignore_errors=True)
+                self._discard_work()
             return self.out_dir
         from engine.models import find_layout, load_model
         from engine.tokenizer import Tokenizer
@@ -394,7 +409,7 @@ class ConversionJob:
         finally:
             store.close()
         if not self.s.keep_work:
-            shutil.rmtree(self.work, ignore_errors=True)
+            self._discard_work()
         self.progress(ProgressEvent("done", len(modules), len(modules), elapsed_s=round(time.time() - t_start, 2)))
         return self.out_dir
 
