@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
 setup: $(STAMP)
 
 test: $(STAMP)
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -rs -p no:cacheprovider --timeout=900 $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
