@@ -12,15 +12,14 @@ the trellis shape ([in/16, out/16, 16·K]).
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import ConfigError, FormatError, ModelLoadError
+from engine.io.safetensors_header import read_header
 
 DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "U16": 16,
               "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 EXL3_AUX_SUFFIXES = (".suh", ".svh", ".su", ".sv", ".mcg", ".mul1")
 VISION_PREFIXES = ("vision_tower.", "visual.", "vision_model.", "multi_modal_projector.",
                    "model.vision_tower.", "model.visual.", "model.multi_modal_projector.")
@@ -77,37 +76,8 @@ class ModelInfo:
 
 def read_safetensors_header(path: Path) -> list[TensorHeader]:
     """Tensor names, dtypes and shapes of one file, checked against the file size."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise FormatError(f"{path.name} is not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise FormatError(f"{path.name} is truncated or not a safetensors file")
-            header_bytes = f.read(n)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise FormatError(f"{path.name} has a corrupt safetensors header") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path.name} has a corrupt safetensors header")
-    data_bytes = size - 8 - n
-    tensors = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path.name}: corrupt header entry for tensor {name}") from None
-        if end > data_bytes or start > end:
-            raise FormatError(f"{path.name} is truncated: tensor {name} ends at byte {end} of {data_bytes}")
-        tensors.append(TensorHeader(name, dtype, shape, path.name, end - start))
-    return tensors
+    entries, _ = read_header(path)
+    return [TensorHeader(name, e.dtype, e.shape, path.name, e.nbytes) for name, e in entries.items()]
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

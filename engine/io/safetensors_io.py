@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.errors import FormatError, ModelLoadError
+from engine.io.safetensors_header import TensorEntry, read_header  # noqa: F401 (re-exported)
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -35,68 +34,6 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
 }
-
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives: file, dtype tag, shape and absolute byte range."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Parse and validate one safetensors file's header; returns (entries, metadata)."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path.name} is not a safetensors file (only {size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise FormatError(f"{path.name} is truncated or not a safetensors file (header of {n} bytes, file of {size})")
-            raw = f.read(n)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path.name} has a corrupt safetensors header ({e.__class__.__name__})") from e
-    if not isinstance(header, dict):
-        raise FormatError(f"{path.name} has a corrupt safetensors header")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    data_size = size - base
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        try:
-            dtype, shape, (a, b) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{path.name}: corrupt header entry for tensor {name}") from e
-        if dtype not in DTYPES:
-            raise FormatError(f"{path.name}: tensor {name} has unsupported dtype {dtype}")
-        numel = 1
-        for s in shape:
-            numel *= s
-        if b < a or b - a != numel * DTYPES[dtype][1]:
-            raise FormatError(f"{path.name}: tensor {name} has inconsistent size (shape {list(shape)}, {b - a} bytes)")
-        if b > data_size:
-            raise FormatError(
-                f"{path.name} is truncated: tensor {name} needs {b} data bytes but the file holds {data_size}"
-            )
-        entries[name] = TensorEntry(path, dtype, shape, base + a, base + b)
-    return entries, metadata
 
 
 class TensorStore:
