@@ -37,6 +37,7 @@ from engine.worker.host import ModelHost, WorkerError
 from engine.worker.jobs import EngineQueue, Job
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URL images
+DRAIN_LIMIT_BYTES = 8 * 1024 * 1024  # how much of an oversized upload is read before the 413
 DEFAULT_MAX_TOKENS = 512
 
 
@@ -96,9 +97,14 @@ class EngineApi:
         try:
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body is over the {limit}-byte limit", "request_too_large")
-                chunks.append(chunk)
+                if size <= limit:
+                    chunks.append(chunk)
+                elif size > limit + DRAIN_LIMIT_BYTES:
+                    break
+                # Over the limit: read (and drop) a bounded rest of the upload before answering, since
+                # closing a socket with unread data resets it and the client would see a reset, not a 413.
+            if size > limit:
+                raise ApiError(413, f"request body is over the {limit}-byte limit", "request_too_large")
         except ClientDisconnect:
             raise ApiError(400, "the client disconnected while sending the request", "client_disconnected")
         try:
