@@ -26,7 +26,10 @@ from engine.models.rope import RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
+    """Self-attention shared by every family. The switches come from the config (biases, per-head
+    q/k norm, sliding window, Gemma 2's score soft-capping); `unit_offset` is Gemma's (1 + w) norm."""
+
+    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str, unit_offset: bool = False):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -35,10 +38,15 @@ class Attention(nn.Module):
         self.k_proj = load.linear(f"{key}.k_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
         self.v_proj = load.linear(f"{key}.v_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
         self.o_proj = load.linear(f"{key}.o_proj", q_size, c.hidden_size, bias=c.o_bias)
-        self.q_norm = load.norm(f"{key}.q_norm", c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = load.norm(f"{key}.k_norm", c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            self.q_norm = load.norm(f"{key}.q_norm", c.head_dim, c.rms_norm_eps, unit_offset=unit_offset)
+            self.k_norm = load.norm(f"{key}.k_norm", c.head_dim, c.rms_norm_eps, unit_offset=unit_offset)
         self.window = c.window_for_layer(layer)
+        # Gemma 3's sliding layers use their own rope base; other families have one rope.
+        self.is_local = c.local_rope is not None and c.rope_for_layer(layer) is c.local_rope
         self.scale = c.attention_scale
+        self.softcap = c.attn_logit_softcapping
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
@@ -52,7 +60,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = attention(q, k, v, mask, self.scale)
+        out = attention(q, k, v, mask, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 

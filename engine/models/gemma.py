@@ -24,44 +24,10 @@ from torch import nn
 from engine.cache.contiguous import KVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, attention, attention_mask
+from engine.models.decoder import Attention
+from engine.models.layers import GatedMLP, attention_mask
 from engine.models.loading import WeightLoader
-from engine.models.rope import RotaryEmbedding, apply_rope
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int, load: WeightLoader, key: str):
-        super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = load.linear(f"{key}.q_proj", c.hidden_size, q_size, bias=c.qkv_bias)
-        self.k_proj = load.linear(f"{key}.k_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
-        self.v_proj = load.linear(f"{key}.v_proj", c.hidden_size, kv_size, bias=c.qkv_bias)
-        self.o_proj = load.linear(f"{key}.o_proj", q_size, c.hidden_size, bias=c.o_bias)
-        self.q_norm = self.k_norm = None
-        if c.qk_norm:
-            self.q_norm = load.norm(f"{key}.q_norm", c.head_dim, c.rms_norm_eps, unit_offset=True)
-            self.k_norm = load.norm(f"{key}.k_norm", c.head_dim, c.rms_norm_eps, unit_offset=True)
-        self.window = c.window_for_layer(layer)
-        self.is_local = c.local_rope is not None and c.rope_for_layer(layer) is c.local_rope
-        self.scale = c.attention_scale
-        self.softcap = c.attn_logit_softcapping
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        out = attention(q, k, v, mask, self.scale, self.softcap)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+from engine.models.rope import RotaryEmbedding
 
 
 class GemmaLayer(nn.Module):
@@ -69,7 +35,7 @@ class GemmaLayer(nn.Module):
         super().__init__()
         h, eps = c.hidden_size, c.rms_norm_eps
         self.input_layernorm = load.norm(f"{key}.input_layernorm", h, eps, unit_offset=True)
-        self.self_attn = GemmaAttention(c, layer, load, f"{key}.self_attn")
+        self.self_attn = Attention(c, layer, load, f"{key}.self_attn", unit_offset=True)
         self.post_attention_layernorm = load.norm(f"{key}.post_attention_layernorm", h, eps, unit_offset=True)
         self.pre_feedforward_layernorm = load.norm(f"{key}.pre_feedforward_layernorm", h, eps, unit_offset=True)
         self.mlp = GatedMLP(
