@@ -11,12 +11,12 @@ the trellis shape ([in/16, out/16, 16·K]).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import ConfigError, FormatError, ModelLoadError
-from engine.io.safetensors_header import read_header
+from engine.io.json_files import read_json_object
+from engine.io.safetensors_header import read_header, weight_files
 
 DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "U16": 16,
               "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
@@ -81,18 +81,7 @@ def read_safetensors_header(path: Path) -> list[TensorHeader]:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise FormatError(f"{index.name} is corrupt") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is missing from {model_dir}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise ModelLoadError(f"no .safetensors files in {model_dir}")
     return files
@@ -102,13 +91,7 @@ def _read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json_object(path)
 
 
 def _is_head(key: str) -> bool:

@@ -16,13 +16,13 @@ of memory is worse than one that leaves a few hundred MiB unused.
 """
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.errors import ConfigError, FormatError
+from engine.errors import ConfigError
+from engine.io.json_files import read_json_object
+from engine.io.safetensors_header import read_header, weight_files
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -122,59 +122,12 @@ def _text_config(cfg: dict) -> dict:
     return cfg
 
 
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of one .safetensors file: 8-byte little-endian length, then JSON."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise FormatError(f"{path.name}: file is truncated (no safetensors header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n <= 0 or n > min(size - 8, 100 * MiB):
-                raise FormatError(f"{path.name}: not a safetensors file (bad header length)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise FormatError(f"{path.name}: file is missing") from None
-    except OSError as e:
-        raise FormatError(f"{path.name}: cannot read ({e.strerror or e})") from None
-    except ValueError:   # JSON or UTF-8 decoding
-        raise FormatError(f"{path.name}: safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path.name}: safetensors header is not a table")
-    data_len = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path.name}: tensor {name} has no data_offsets") from None
-        if end > data_len:
-            raise FormatError(f"{path.name}: file is truncated (tensor {name} ends past the end)")
-    return header
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise FormatError(f"{index.name}: not a valid safetensors index") from None
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
 def tensor_sizes(model_dir: Path) -> dict[str, tuple[str, list[int], int]]:
     """name -> (dtype, shape, bytes) for every tensor of the folder, from headers only."""
     out: dict[str, tuple[str, list[int], int]] = {}
-    for path in safetensors_files(model_dir):
-        for name, info in safetensors_header(path).items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            out[name] = (info.get("dtype", "?"), list(info.get("shape", [])), int(end) - int(start))
+    for path in weight_files(model_dir):
+        entries, _ = read_header(path)
+        out.update({name: (e.dtype, list(e.shape), e.nbytes) for name, e in entries.items()})
     return out
 
 
@@ -182,13 +135,7 @@ def _load_config(model_dir: Path) -> dict:
     cfg_path = model_dir / "config.json"
     if not cfg_path.exists():
         raise ConfigError(f"{model_dir} is not a model folder (no config.json)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{cfg_path}: config.json is not valid JSON") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{cfg_path}: config.json is not a JSON object")
-    return cfg
+    return read_json_object(cfg_path)
 
 
 def _shape_numbers(cfg: dict, name: str) -> dict:
@@ -280,7 +227,7 @@ def spec_from_dir(model_dir: str | Path) -> ModelSpec:
         raise ConfigError(f"{model_dir} is not a folder")
     cfg = _load_config(model_dir)
     spec = spec_from_config(cfg, name=model_dir.name)
-    if not safetensors_files(model_dir):
+    if not weight_files(model_dir):
         raise ConfigError(f"{model_dir} has no .safetensors weights")
     sizes = tensor_sizes(model_dir)
     spec.weight_bytes = sum(b for _, _, b in sizes.values())

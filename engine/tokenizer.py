@@ -11,7 +11,6 @@ rule above is the only one in force.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,22 +18,16 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 from engine.chat_template import FALLBACK_CHAT_TEMPLATE, load_chat_template, render_chat_template
-from engine.errors import ConfigError, ModelLoadError
+from engine.errors import ModelLoadError
+from engine.io.json_files import read_json_object
 
 # model_type values whose checkpoints expect a BOS token when the tokenizer config is silent.
 BOS_BY_DEFAULT_MODEL_TYPES = {"llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text"}
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return value
+    """Optional settings files: absent means empty."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_text(value: Any) -> str | None:

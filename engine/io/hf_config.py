@@ -8,13 +8,13 @@ fields and never looks at the raw JSON. No torch import: tools such as the plann
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError, UnsupportedArchitecture
+from engine.io.json_files import read_json_object
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -131,13 +131,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {path.parent} (is this a model folder?)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from e
-    return parse_model_config(raw, source=str(path))
+    return parse_model_config(read_json_object(path), source=str(path))
 
 
 def parse_model_config(raw: Any, source: str = "config.json") -> ModelConfig:

@@ -79,3 +79,21 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             )
         entries[name] = TensorEntry(path, dtype, shape, base + a, base + b)
     return entries, metadata
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The .safetensors files of a model folder: the shards its index lists (each must exist), or
+    else every *.safetensors file. Empty when there are none: callers say what that means to them."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
+        return sorted(model_dir.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{index.name} is corrupt ({e.__class__.__name__})") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is missing from {model_dir}")
+    return files

@@ -8,7 +8,6 @@ from a memory map into an aligned buffer.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import FormatError, ModelLoadError
-from engine.io.safetensors_header import TensorEntry, read_header  # noqa: F401 (re-exported)
+from engine.io.safetensors_header import TensorEntry, read_header, weight_files  # noqa: F401 (re-exported)
 
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -54,18 +53,7 @@ class TensorStore:
         self._maps: dict[Path, mmap.mmap] = {}
 
     def _find_files(self) -> list[Path]:
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise FormatError(f"{index.name} is corrupt ({e.__class__.__name__})") from e
-            files = sorted({self.dir / v for v in weight_map.values()})
-            missing = [f.name for f in files if not f.exists()]
-            if missing:
-                raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is missing from {self.dir}")
-            return files
-        files = sorted(self.dir.glob("*.safetensors"))
+        files = weight_files(self.dir)
         if not files:
             if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pt")) or any(self.dir.glob("*.pth")):
                 raise ModelLoadError(f"{self.dir} holds only pickle weights (.bin/.pt); Trellis reads safetensors only")
