@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.errors import ConfigError
 from engine.formats.exl3 import EXL3Tensors
 
@@ -48,13 +49,16 @@ class DenseLinear(nn.Module):
 
 
 class QuantLinear(DenseLinear):
-    """An EXL3 linear on the torch path.
+    """An EXL3 linear, computed one of two ways.
 
-    The original-basis weight W = diag(suh)·H·Ŵ·H·diag(svh) is reconstructed once at load and
-    then used as a plain dense matmul. EXL3 pads `in` and `out` to multiples of 128; the padded
-    rows of W only ever meet zero-extended inputs and the padded columns are trimmed from the
-    output, so slicing W to the logical [in, out] is exactly the same computation. The EXL3
-    tensors stay attached (`.exl3`) for a kernel that works on the compressed form.
+    Dense (the torch path): the original-basis weight W = diag(suh)·H·Ŵ·H·diag(svh) is
+    reconstructed once at load and used as a plain matmul. EXL3 pads `in` and `out` to multiples
+    of 128; the padded rows of W only ever meet zero-extended inputs and the padded columns are
+    trimmed from the output, so slicing W to the logical [in, out] is exactly the same computation.
+
+    Compressed: every call goes through `engine.ops.exl3_linear` on the trellis itself (the CUDA
+    kernels, or their torch reference off the GPU). Chosen at load when the kernels serve the
+    device, so no dense copy is ever built (4x less memory at 4 bpw).
     """
 
     def __init__(self, exl3: EXL3Tensors, in_features: int, out_features: int, dtype: torch.dtype):
@@ -63,34 +67,31 @@ class QuantLinear(DenseLinear):
             bias = exl3.bias[:out_features].to(dtype)
             if bias.numel() < out_features:  # a bias stored unpadded and shorter than out: zero-extend
                 bias = F.pad(bias, (0, out_features - bias.numel()))
-        self.use_kernels = exl3.trellis.is_cuda and _kernels_ready(exl3.trellis.device)
-        if self.use_kernels:
-            # The CUDA kernels work on the compressed form: no dense copy (4x less memory at 4 bpw).
+        compressed = exl3.trellis.is_cuda and ops.kernels_available(exl3.trellis.device)
+        if compressed:
             w = torch.empty(out_features, 0, dtype=dtype, device=exl3.trellis.device)
-            if exl3.bias is not None:
-                exl3.bias = exl3.bias.half()
         else:
             w = exl3.dense_weight(torch.float32)[:in_features, :out_features].t().contiguous().to(dtype)
         super().__init__(w, bias)
         self.in_features = in_features
         self.exl3 = exl3
         self.bits = exl3.K
+        self.compressed = False
+        if compressed:
+            self.use_compressed()
+
+    def use_compressed(self, drop_dense: bool = True) -> None:
+        """Switch to computing from the trellis through engine.ops, dropping the dense copy."""
+        self.compressed = True
+        if self.exl3.bias is not None:
+            self.exl3.bias = self.exl3.bias.half()
+        if drop_dense and self.weight.numel():
+            self.weight = torch.empty(self.out_features, 0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels:
-            from engine import ops
-
+        if self.compressed:
             return ops.exl3_linear(x, self.exl3, self.out_features)
         return F.linear(x, self.weight, self.bias)
-
-
-def _kernels_ready(device) -> bool:
-    """Whether the compiled EXL3 kernels serve this device (never true on CPU-only installs)."""
-    try:
-        from engine import ops
-    except ImportError:
-        return False
-    return ops.kernels_available(device)
 
 
 def _sdpa_supports_gqa() -> bool:
