@@ -276,10 +276,14 @@ def safe_relative_path(name: str) -> PurePosixPath:
     return PurePosixPath(*parts)
 
 
+def models_dir() -> Path:
+    """Where the engine puts models it fetches or imports: $TRELLIS_MODELS_DIR, or a per-user default."""
+    return Path(os.environ.get("TRELLIS_MODELS_DIR") or Path.home() / ".local" / "share" / "trellis" / "models")
+
+
 def default_local_dir(repo: str, revision: str) -> Path:
-    base = Path(os.environ.get("TRELLIS_MODELS_DIR") or Path.home() / ".local" / "share" / "trellis" / "models")
     name = repo.replace("/", "--") + ("" if revision == "main" else f"--{revision.replace('/', '-')}")
-    return base / name
+    return models_dir() / name
 
 
 # ---------------------------------------------------------------------------- download

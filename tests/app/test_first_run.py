@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from app import settings
 from app import store as S
 from app.main_window import MainWindow
-from app.views.first_run import starter_gguf
+from engine.starter import find_starter_gguf as starter_gguf
 
 pytestmark = pytest.mark.slow     # a GGUF import (~25 s) plus an engine start and load
 
