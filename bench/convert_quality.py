@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from engine.evaluate import score_windows, split_windows
 
 REFERENCE_KLD = {2.0: 0.77, 3.0: 0.155, 4.0: 0.042, 5.0: 0.014}
 
@@ -29,31 +30,17 @@ def emit(obj: dict) -> None:
 
 
 def eval_windows(tokenizer, text: str, windows: int, seqlen: int) -> list[list[int]]:
-    ids = tokenizer.encode(text)
-    chunks = [ids[i:i + seqlen] for i in range(0, len(ids) - seqlen + 1, seqlen)]
+    chunks = [c for c in split_windows(tokenizer.encode(text), seqlen, None) if len(c) == seqlen]
     if len(chunks) < windows:
         print(f"warning: text gives only {len(chunks)} windows of {seqlen} tokens (asked {windows})", file=sys.stderr)
     return chunks[:windows]
 
 
-@torch.inference_mode()
-def compare(model, ref, windows: list[list[int]], device) -> dict:
+def compare(model, ref, windows: list[list[int]]) -> dict:
     """Perplexity of both, mean KL(ref ‖ model) per token, top-1 agreement."""
-    vocab = ref.config.vocab_size
-    nll = ref_nll = kl = 0.0
-    agree = n = 0
-    for w in windows:
-        ids = torch.tensor([w], device=device)
-        tgt = ids[0, 1:]
-        lp = torch.log_softmax(model(ids)[0, :-1, :vocab].float(), -1)
-        rlp = torch.log_softmax(ref(ids)[0, :-1, :vocab].float(), -1)
-        nll -= float(lp.gather(-1, tgt[:, None]).sum())
-        ref_nll -= float(rlp.gather(-1, tgt[:, None]).sum())
-        kl += float((rlp.exp() * (rlp - lp)).sum())
-        agree += int((rlp.argmax(-1) == lp.argmax(-1)).sum())
-        n += tgt.numel()
-    return {"ppl": math.exp(nll / n), "ref_ppl": math.exp(ref_nll / n), "kld": kl / n,
-            "top1_agreement": agree / n, "tokens": n}
+    s = score_windows(model, windows, ref)
+    return {"ppl": s["ppl"], "ref_ppl": s["ref_ppl"], "kld": s["kl_div"],
+            "top1_agreement": s["top1_agreement"], "tokens": s["tokens"]}
 
 
 def main(argv=None) -> int:
@@ -120,7 +107,7 @@ def main(argv=None) -> int:
         seconds = time.time() - t0
         emit({"event": "convert", "bits": bits, "seconds": round(seconds, 2)})
         model = load_model(out, device=device, dtype=dtype)
-        q = compare(model, ref, windows, device)
+        q = compare(model, ref, windows)
         del model
         row = {"event": "quality", "bits": bits, "head_bits": args.head_bits, "convert_seconds": round(seconds, 2),
                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in q.items()}}

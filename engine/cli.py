@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -210,17 +209,8 @@ def register_ppl(sub) -> None:
     p.set_defaults(func=cmd_ppl)
 
 
-def split_windows(ids: list[int], seqlen: int, windows: int | None) -> list[list[int]]:
-    """Consecutive non-overlapping windows; a short tail is dropped unless it is all there is."""
-    chunks = [ids[i:i + seqlen] for i in range(0, len(ids), seqlen)]
-    if len(chunks) > 1 and len(chunks[-1]) < seqlen:
-        chunks.pop()
-    chunks = [c for c in chunks if len(c) >= 2]
-    return chunks[:windows] if windows is not None else chunks
-
-
 def cmd_ppl(args) -> int:
-    import torch
+    from engine.evaluate import score_windows, split_windows
     from engine.tokenizer import Tokenizer
 
     if args.seqlen < 2:
@@ -244,26 +234,12 @@ def cmd_ppl(args) -> int:
     if ref is not None and ref.config.vocab_size != vocab:
         raise ConfigError(f"vocab sizes differ: model {vocab}, reference {ref.config.vocab_size}")
 
-    nll = ref_nll = kl = 0.0
-    agree = scored = 0
-    with torch.inference_mode():
-        for window in windows:
-            ids = torch.tensor([window], dtype=torch.long)
-            targets = ids[0, 1:]
-            logp = torch.log_softmax(model(ids.to(_model_device(model)))[0, :-1, :vocab].float().cpu(), dim=-1)
-            nll += -logp.gather(-1, targets[:, None]).sum().item()
-            scored += targets.numel()
-            if ref is not None:
-                ref_logp = torch.log_softmax(ref(ids.to(_model_device(ref)))[0, :-1, :vocab].float().cpu(), dim=-1)
-                ref_nll += -ref_logp.gather(-1, targets[:, None]).sum().item()
-                # KL(ref ‖ model): how much information the model loses against the reference.
-                kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-    result = {"model": str(args.model), "ppl": math.exp(nll / scored), "nll": nll / scored,
+    scores = score_windows(model, windows, ref)
+    scored = scores["tokens"]
+    result = {"model": str(args.model), "ppl": scores["ppl"], "nll": scores["nll"],
               "tokens": scored, "windows": len(windows), "seqlen": args.seqlen}
     if ref is not None:
-        result.update({"ref": str(args.ref), "ref_ppl": math.exp(ref_nll / scored),
-                       "kl_div": kl / scored, "top1_agreement": agree / scored})
+        result.update({"ref": str(args.ref), **{k: scores[k] for k in ("ref_ppl", "kl_div", "top1_agreement")}})
     if args.json:
         print(json.dumps(result))
     else:
