@@ -108,11 +108,18 @@ class DecoderLM(CausalLM):
         cos, sin = self.rotary(positions, self.dtype)
         masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
 
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
-        logits = self.lm_head(self.norm(x)).float()
+        logits = self.head_logits(self.norm(x))
 
         if cache is not None:
             cache.advance(T)
         return logits
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the final-normed hidden state."""
+        return self.lm_head(h).float()

@@ -83,14 +83,22 @@ class GemmaLM(CausalLM):
         rope_local = self.rotary_local(positions, self.dtype) if self.rotary_local else rope_global
         masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
 
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        x = self.embed(input_ids)
         for layer in self.layers:
             cos, sin = rope_local if layer.self_attn.is_local else rope_global
             x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
-        logits = self.lm_head(self.norm(x)).float()
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        logits = self.head_logits(self.norm(x))
 
         if cache is not None:
             cache.advance(T)
+        return logits
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from the final-normed hidden state, soft-capped (Gemma 2)."""
+        logits = self.lm_head(h).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gemma import GemmaLM
@@ -57,9 +56,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        x = F.embedding(ids.to(m.device), m.embed_tokens)
-        return x * m.embed_scale if self.is_gemma else x
+        return self.model.embed(ids.to(self.model.device))
 
     @torch.no_grad()
     def run_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +78,4 @@ class ModelRunner:
 
     @torch.no_grad()
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(x).float()
-        cap = getattr(self.model, "final_softcap", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return self.model.head_logits(x)
