@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.formats.exl3 import codebook_lut, pack_symbols, reconstruct, unpack_states
-from engine.quantize.tiling import from_stream_tiles, to_stream_tiles
+from engine.formats.exl3 import from_stream_tiles, to_stream_tiles
 from engine.quantize.viterbi import encode_tiles
 
 

@@ -128,13 +128,18 @@ def pack_symbols(states: torch.Tensor, K: int) -> torch.Tensor:
 # Section 3.5: dense inner weight W-hat
 
 
-def decode_tiles(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
-    """Packed tiles [..., 16K] -> fp16 values [..., 16, 16] in (row, col) tile order."""
-    states = unpack_states(trellis)
-    # Reorder states to tile order first, then look values up: gathers beat a scatter.
-    states = states[..., TILE_TO_STREAM.to(trellis.device)]
-    values = codebook_lut(codebook, trellis.device)[states]
-    return values.reshape(*values.shape[:-1], TILE, TILE)
+def to_stream_tiles(w: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] (multiples of 16) -> [rows/16, cols/16, 256], each tile in stream order."""
+    r, c = w.shape
+    tiles = w.reshape(r // TILE, TILE, c // TILE, TILE).permute(0, 2, 1, 3).reshape(r // TILE, c // TILE, TILE * TILE)
+    return tiles[..., STREAM_TO_TILE.to(w.device)]
+
+
+def from_stream_tiles(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_stream_tiles: [ti, tj, 256] in stream order -> [ti*16, tj*16]."""
+    ti, tj, _ = t.shape
+    tiles = t[..., TILE_TO_STREAM.to(t.device)]  # a gather: faster than scattering by STREAM_TO_TILE
+    return tiles.reshape(ti, tj, TILE, TILE).permute(0, 2, 1, 3).reshape(ti * TILE, tj * TILE)
 
 
 def reconstruct(trellis: torch.Tensor, codebook: str, max_tiles: int = 1 << 16) -> torch.Tensor:
@@ -142,12 +147,12 @@ def reconstruct(trellis: torch.Tensor, codebook: str, max_tiles: int = 1 << 16) 
 
     Works in row slices so that memory stays bounded on large layers."""
     ti, tj, _ = trellis.shape
+    lut = codebook_lut(codebook, trellis.device)
     out = torch.empty(ti * TILE, tj * TILE, dtype=torch.float16, device=trellis.device)
     rows = max(1, max_tiles // max(tj, 1))
     for a in range(0, ti, rows):
         b = min(ti, a + rows)
-        tiles = decode_tiles(trellis[a:b], codebook)  # [r, tj, 16, 16]
-        out[a * TILE : b * TILE] = tiles.permute(0, 2, 1, 3).reshape((b - a) * TILE, tj * TILE)
+        out[a * TILE : b * TILE] = from_stream_tiles(lut[unpack_states(trellis[a:b])])
     return out
 
 

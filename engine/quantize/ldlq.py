@@ -15,7 +15,7 @@ from typing import Generator
 import torch
 
 from engine.quantize.hessian import SIGMA_REG
-from engine.quantize.tiling import from_stream_tiles, to_stream_tiles
+from engine.formats.exl3 import from_stream_tiles, to_stream_tiles
 from engine.quantize.viterbi import encode_tiles
 
 BLOCK = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quantize.tiling import to_stream_tiles
+from engine.formats.exl3 import to_stream_tiles
 from engine.quantize.viterbi import encode_tiles
 
 
