@@ -87,7 +87,11 @@ def bench_shape(shape: str, ms, Ks, codebooks, paths, cold: bool, calls: int, wa
                     if path == "torch" and (m > 8 or n_in * n_out > 4096 * 14336):
                         continue  # the reference path reconstructs per call: seconds of timing
                     c = max(3, calls // 50) if path == "torch" else calls
-                    us = time_calls(lambda i: ops.exl3_gemm(x, layers[i % len(layers)], mode=path), c, min(warmup, 3) if path == "torch" else warmup)
+                    if path == "fused2":  # the previous kernel generation, for a same-run ratio
+                        fn = lambda i: ops.exl3_gemm(x, layers[i % len(layers)], mode="fused", version=2)  # noqa: E731
+                    else:
+                        fn = lambda i: ops.exl3_gemm(x, layers[i % len(layers)], mode=path)  # noqa: E731
+                    us = time_calls(fn, c, min(warmup, 3) if path == "torch" else warmup)
                     anchor = ANCHORS.get((shape, m))
                     ref_ratio = None
                     if anchor and K in anchor[1]:
@@ -136,9 +140,10 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     w = torch.randn(128, 128, device=dev).half()
     ext = ops.extension()
     ws = ops.workspace(dev, 32 * 128)
+    cnt = ops.block_counters(dev, 1)
     fns = {
         "ops_exl3_gemm_us": lambda: ops.exl3_gemm(x, t),
-        "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0),
+        "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0, 3, cnt),
         "torch_matmul_us": lambda: torch.matmul(x, w),
     }
     res = {}
@@ -154,7 +159,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     return res
 
 
-def check_once(n_in: int, n_out: int, K: int, codebook: str, m: int) -> float:
+def check_once(n_in: int, n_out: int, K: int, codebook: str, m: int, version: int | None = None) -> float:
     """Relative RMS of the fused product against the fp32 reference (sanity line in the log)."""
     from engine import ops
     from engine.formats.exl3 import exl3_matmul_reference
@@ -163,7 +168,7 @@ def check_once(n_in: int, n_out: int, K: int, codebook: str, m: int) -> float:
     gen = torch.Generator(device=dev).manual_seed(1)
     t = make_layer(n_in, n_out, K, codebook, dev, gen)
     x = torch.randn(m, n_in, device=dev, generator=gen).half()
-    y = ops.exl3_gemm(x, t).float()
+    y = ops.exl3_gemm(x, t, version=version).float()
     ref = exl3_matmul_reference(x.float(), t)
     return float((y - ref).norm() / ref.norm())
 
@@ -174,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--K", nargs="+", type=int, default=[2, 3, 4, 5, 6])
     ap.add_argument("--codebook", nargs="+", default=["mul1"])
-    ap.add_argument("--paths", nargs="+", default=["auto"], help="auto fused dense torch")
+    ap.add_argument("--paths", nargs="+", default=["auto"], help="auto fused fused2 (previous kernel) dense torch")
     ap.add_argument("--cache", choices=["cold", "hot", "both"], default="both")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
@@ -188,7 +193,9 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "linear", "error": "no CUDA device"}))
         return 1
     print(json.dumps({"bench": "linear", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "check_rel_rms_8192x28672_K4_m8": round(check_once(8192, 28672, 4, "mul1", 8), 6)}), flush=True)
+                      "check_rel_rms_8192x28672_K4_m8": round(check_once(8192, 28672, 4, "mul1", 8), 6),
+                      "check_rel_rms_8192x28672_K4_m1": round(check_once(8192, 28672, 4, "mul1", 1), 6),
+                      "check_rel_rms_v2_8192x28672_K4_m8": round(check_once(8192, 28672, 4, "mul1", 8, 2), 6)}), flush=True)
     print(json.dumps({"bench": "linear", **dispatch_overhead()}), flush=True)
     modes = ["cold", "hot"] if args.cache == "both" else [args.cache]
     for shape in args.shapes:

@@ -44,7 +44,8 @@ void check_trellis(const torch::Tensor& trellis) {
 // entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
-                        torch::Tensor workspace, int64_t ksplit, int64_t int8_mode) {
+                        torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,
+                        int64_t version, c10::optional<torch::Tensor> counters) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
@@ -66,22 +67,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     auto stream = at::cuda::getCurrentCUDAStream();
     const int chunk = (int)std::min<int64_t>(m, trellis::kMaxFusedRows);
     const bool use_i8 = int8_mode != 0 && codebook == kCodebookMul1 && m <= 8;
-    auto xh = torch::empty({chunk, in}, x.options());
-    torch::Tensor sq, scales, csum;
-    if (use_i8) {
-        sq = torch::empty({2 * chunk, in}, x.options().dtype(torch::kInt));
-        scales = torch::empty({chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
-        csum = torch::empty({chunk, in / 128}, x.options().dtype(torch::kFloat));
-    }
     trellis::MmArgs a;
-    a.xh = hptr(xh);
-    a.ldxh = (int)in;
-    if (use_i8) {
-        a.sq = reinterpret_cast<const uint32_t*>(sq.data_ptr());
-        a.ldsq = (int)in;
-        a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
-        a.csum = csum.data_ptr<float>();
-    }
     a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
     a.z = workspace.data_ptr<float>();
     a.in = (int)in;
@@ -90,15 +76,58 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     a.codebook = (int)codebook;
     a.ksplit = (int)ksplit;
     a.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    a.version = version == 2 ? 2 : 3;
+    const bool fused_out = a.version == 3 && counters.has_value();
+    if (fused_out) {
+        TORCH_CHECK(counters->is_cuda() && counters->scalar_type() == torch::kInt &&
+                        counters->is_contiguous() && counters->numel() >= out / 128,
+                    "counters must be a zeroed int32 CUDA tensor of at least out/128 entries");
+        a.counters = counters->data_ptr<int>();
+        a.svh = hptr(svh);
+        a.bias = opt_hptr(bias);
+        a.ldy = (int)out;
+    }
+    torch::Tensor xh, xb, sq, scales, csum;
+    if (use_i8) {
+        scales = torch::empty({chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
+        csum = torch::empty({chunk, in / 128}, x.options().dtype(torch::kFloat));
+        a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
+        a.csum = csum.data_ptr<float>();
+    }
+    if (a.version == 3) {
+        // Fragment-ordered activations: I8 4 words per lane per group, F16 2 words.
+        const int ng = trellis::gemv_groups(chunk, use_i8);
+        xb = torch::empty({in / 16, ng, 32, use_i8 ? 4 : 2}, x.options().dtype(torch::kInt));
+        a.xb = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+    } else {
+        xh = torch::empty({chunk, in}, x.options());
+        a.xh = hptr(xh);
+        a.ldxh = (int)in;
+        if (use_i8) {
+            sq = torch::empty({2 * chunk, in}, x.options().dtype(torch::kInt));
+            a.sq = reinterpret_cast<const uint32_t*>(sq.data_ptr());
+            a.ldsq = (int)in;
+        }
+    }
     for (int64_t r0 = 0; r0 < m; r0 += trellis::kMaxFusedRows) {
         const int rows = (int)std::min<int64_t>(trellis::kMaxFusedRows, m - r0);
         a.m = rows;
-        CHECK_CUDA_OK(trellis::prep_x(hptr(x) + r0 * x.stride(0), (int)x.stride(0), hptr(suh),
-                                      hptr_mut(xh), use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
-                                      (int)in, use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr,
-                                      use_i8 ? csum.data_ptr<float>() : nullptr, rows, (int)in, stream));
+        const half* xr = hptr(x) + r0 * x.stride(0);
+        float2* sc = use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr;
+        float* cs = use_i8 ? csum.data_ptr<float>() : nullptr;
+        if (a.version == 3) {
+            CHECK_CUDA_OK(trellis::prep_frag(xr, (int)x.stride(0), hptr(suh),
+                                             reinterpret_cast<uint32_t*>(xb.data_ptr()), sc, cs, rows,
+                                             (int)in, trellis::gemv_groups(rows, use_i8), stream));
+        } else {
+            CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
+                                          use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
+                                          (int)in, sc, cs, rows, (int)in, stream));
+        }
+        if (fused_out) a.y = hptr_mut(y) + r0 * out;
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
-        CHECK_CUDA_OK(trellis::had128_f32(a.z, (int)out, hptr_mut(y) + r0 * out, (int)out, hptr(svh),
+        if (!fused_out)
+            CHECK_CUDA_OK(trellis::had128_f32(a.z, (int)out, hptr_mut(y) + r0 * out, (int)out, hptr(svh),
                                           opt_hptr(bias), rows, (int)out, true, stream));
     }
     return y;
@@ -189,6 +218,35 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
     return y;
 }
 
+
+// Trellis states int32 [n, 256] for targets fp32 [n, 256] (stream order, already fp16-rounded by
+// the caller): the tail-biting Viterbi of engine/quantize/viterbi.py. lut: the codebook's 65536
+// fp16 values (engine.formats.exl3.codebook_lut).
+torch::Tensor viterbi_encode(torch::Tensor targets, int64_t K, torch::Tensor lut, int64_t warmup,
+                             int64_t lookahead) {
+    TORCH_CHECK(targets.is_cuda() && targets.scalar_type() == torch::kFloat && targets.dim() == 2 &&
+                    targets.size(1) == 256 && targets.is_contiguous(),
+                "viterbi_encode: targets must be a contiguous fp32 CUDA tensor [n, 256]");
+    TORCH_CHECK(lut.is_cuda() && lut.scalar_type() == torch::kHalf && lut.is_contiguous() &&
+                    lut.numel() == 65536 && lut.device() == targets.device(),
+                "viterbi_encode: lut must be 65536 contiguous fp16 values on the targets' device");
+    TORCH_CHECK(K >= 1 && K <= 8, "viterbi_encode: K must be 1..8");
+    TORCH_CHECK(warmup >= 1 && warmup <= 256 && lookahead >= 0 && lookahead <= 256,
+                "viterbi_encode: warmup must be 1..256 and lookahead 0..256");
+    const c10::cuda::CUDAGuard guard(targets.device());
+    const int64_t n = targets.size(0);
+    TORCH_CHECK(n <= INT32_MAX, "viterbi_encode: too many tiles");
+    auto states = torch::empty({n, 256}, targets.options().dtype(torch::kInt));
+    if (n == 0) return states;
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int blocks = (int)std::min<int64_t>(n, sms);  // one 512-thread block fills an SM
+    auto scratch = torch::empty({(int64_t)trellis::viterbi_scratch_bytes((int)K, (int)lookahead, blocks)},
+                                targets.options().dtype(torch::kByte));
+    CHECK_CUDA_OK(trellis::viterbi_encode(targets.data_ptr<float>(), (int)n, (int)K, hptr(lut),
+                                          (int)warmup, (int)lookahead, states.data_ptr<int32_t>(),
+                                          scratch.data_ptr(), blocks, at::cuda::getCurrentCUDAStream()));
+    return states;
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -198,4 +256,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
+    m.def("viterbi_encode", &viterbi_encode, "tail-biting Viterbi trellis encoder (quantizer)");
 }

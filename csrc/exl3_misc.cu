@@ -8,7 +8,9 @@
 
 namespace trellis {
 
-#define TRELLIS_DECLARE_MM(K) cudaError_t exl3_mm_k##K(const MmArgs& a, cudaStream_t stream);
+#define TRELLIS_DECLARE_MM(K)                                               \
+    cudaError_t exl3_mm_k##K(const MmArgs& a, cudaStream_t stream);         \
+    cudaError_t exl3_gv_k##K(const MmArgs& a, int variant, cudaStream_t stream);
 TRELLIS_DECLARE_MM(1)
 TRELLIS_DECLARE_MM(2)
 TRELLIS_DECLARE_MM(3)
@@ -22,6 +24,21 @@ TRELLIS_DECLARE_MM(8)
 cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
     if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;
+    if (a.version == 3) {
+        if (!a.xb || (a.scales && (a.m > 8 || a.codebook != CB_MUL1))) return cudaErrorInvalidValue;
+        const int v = mm_debug_variant();
+        switch (a.K) {
+            case 1: return exl3_gv_k1(a, v, stream);
+            case 2: return exl3_gv_k2(a, v, stream);
+            case 3: return exl3_gv_k3(a, v, stream);
+            case 4: return exl3_gv_k4(a, v, stream);
+            case 5: return exl3_gv_k5(a, v, stream);
+            case 6: return exl3_gv_k6(a, v, stream);
+            case 7: return exl3_gv_k7(a, v, stream);
+            case 8: return exl3_gv_k8(a, v, stream);
+            default: return cudaErrorInvalidValue;
+        }
+    }
     switch (a.K) {
         case 1: return exl3_mm_k1(a, stream);
         case 2: return exl3_mm_k2(a, stream);
@@ -36,7 +53,49 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activation prep: one warp per (row, 128-chunk).
+// Activation prep: one warp per (row, 128-chunk). Both layouts (version 2 row-major, version 3
+// MMA fragment order) share the transform and the int8 steps below.
+
+// This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r.
+__device__ __forceinline__ void prep_lane_xh(const half* __restrict__ x, int ldx,
+                                             const half* __restrict__ suh, int r, int k, int lane,
+                                             half2& o0, half2& o1) {
+    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)r * ldx + k);
+    const uint2 sv = *reinterpret_cast<const uint2*>(suh + k);
+    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(sv.x));
+    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(sv.y));
+    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+    wht128_lane4(v, lane);
+    o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+    o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+}
+
+// The MUL1 integer path's two int8 passes of one 128-chunk: q1 at step s1 = absmax / 127, q2 the
+// residual at s2 = s1 / 254 (about 15 bits together); `sum` is the chunk's sum of xh.
+struct Int8Chunk {
+    float s1, s2, inv1, inv2, sum;
+
+    __device__ __forceinline__ Int8Chunk(const float f[4]) {
+        float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+        sum = f[0] + f[1] + f[2] + f[3];
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+            sum += __shfl_xor_sync(0xffffffffu, sum, s);
+        }
+        s1 = amax / 127.f;
+        s2 = s1 / 254.f;
+        inv1 = amax > 0.f ? 127.f / amax : 0.f;
+        inv2 = amax > 0.f ? 254.f / s1 : 0.f;
+    }
+    // The two passes of one value, each repeated in the 4 bytes of a word.
+    __device__ __forceinline__ void passes(float f, uint32_t& w1, uint32_t& w2) const {
+        const float q1 = fminf(fmaxf(rintf(f * inv1), -127.f), 127.f);
+        const float q2 = fminf(fmaxf(rintf((f - q1 * s1) * inv2), -127.f), 127.f);
+        w1 = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
+        w2 = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
+    }
+};
 
 __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
                               half* __restrict__ xh, uint32_t* __restrict__ sq, int ldsq,
@@ -49,42 +108,20 @@ __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* _
     const int r = task / nch;
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
-    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)r * ldx + k);
-    const uint2 sv = *reinterpret_cast<const uint2*>(suh + k);
-    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(sv.x));
-    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(sv.y));
-    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
-    wht128_lane4(v, lane);
-    const half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
-    const half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+    half2 o0, o1;
+    prep_lane_xh(x, ldx, suh, r, k, lane, o0, o1);
     *reinterpret_cast<uint2*>(xh + (size_t)r * in + k) = make_uint2(as_u32(o0), as_u32(o1));
     if (!sq) return;
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
-    float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
-    float sum = f[0] + f[1] + f[2] + f[3];
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-        sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    }
-    const float s1 = amax / 127.f;
-    const float s2 = s1 / 254.f;
-    const float inv1 = amax > 0.f ? 127.f / amax : 0.f;
-    const float inv2 = amax > 0.f ? 254.f / s1 : 0.f;
+    const Int8Chunk ch(f);
     uint32_t w1[4], w2[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const float q1 = fminf(fmaxf(rintf(f[q] * inv1), -127.f), 127.f);
-        const float res = f[q] - q1 * s1;
-        const float q2 = fminf(fmaxf(rintf(res * inv2), -127.f), 127.f);
-        w1[q] = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
-        w2[q] = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
-    }
+    for (int q = 0; q < 4; ++q) ch.passes(f[q], w1[q], w2[q]);
     *reinterpret_cast<uint4*>(sq + (size_t)(2 * r) * ldsq + k) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
     *reinterpret_cast<uint4*>(sq + (size_t)(2 * r + 1) * ldsq + k) = make_uint4(w2[0], w2[1], w2[2], w2[3]);
     if (lane == 0) {
-        scales[(size_t)r * nch + c] = make_float2(s1, s2);
-        csum[(size_t)r * nch + c] = sum;
+        scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
+        csum[(size_t)r * nch + c] = ch.sum;
     }
 }
 
@@ -94,6 +131,64 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
     const long tasks = (long)rows * (in / 128);
     prep_x_kernel<<<(unsigned)((tasks + 7) / 8), 256, 0, stream>>>(x, ldx, suh, xh, sq, ldsq, scales,
                                                                    csum, rows, in);
+    return cudaGetLastError();
+}
+
+// Version-3 prep: one warp per (row, 128-chunk) as above, but the outputs land in the MMA
+// fragment order of exl3_gemv.cuh. Element (row r, k): k row i = k / 16, kk = k % 16, lane
+// quad cq = (kk % 8) / 2.
+//   F16: lane = (r % 8) * 4 + cq, word kk / 8 of the lane's pair, half kk % 2; group r / 8.
+//   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
+//        group r / 4.
+__global__ void prep_frag_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
+                                 uint32_t* __restrict__ xb, float2* __restrict__ scales,
+                                 float* __restrict__ csum, int rows, int in, int ng) {
+    const int lane = threadIdx.x & 31;
+    const int nch = in >> 7;
+    const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= rows * nch) return;
+    const int r = task / nch;
+    const int c = task - r * nch;
+    const int k = c * 128 + lane * 4;
+    half2 o0, o1;
+    prep_lane_xh(x, ldx, suh, r, k, lane, o0, o1);
+    const int i = k >> 4;
+    const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
+    if (!scales) {
+        const size_t fb = ((size_t)i * ng + (r >> 3)) * 32;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const int kk = kk0 + 2 * p;
+            const int fl = (r & 7) * 4 + ((kk & 7) >> 1);
+            xb[(fb + fl) * 2 + (kk >> 3)] = as_u32(p ? o1 : o0);
+        }
+        return;
+    }
+    const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
+    const Int8Chunk ch(f);
+    const size_t fb = ((size_t)i * ng + (r >> 2)) * 32;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int kk = kk0 + q;
+        const int cq = (kk & 7) >> 1;
+        const int slot = (kk & 1) + 2 * (kk >> 3);
+        uint32_t w1, w2;
+        ch.passes(f[q], w1, w2);
+        xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
+        xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
+    }
+    if (lane == 0) {
+        scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
+        csum[(size_t)r * nch + c] = ch.sum;
+    }
+}
+
+cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
+                      float* csum, int rows, int in, int ng, cudaStream_t stream) {
+    if (in % 128 || rows < 1) return cudaErrorInvalidValue;
+    const long tasks = (long)rows * (in / 128);
+    prep_frag_kernel<<<(unsigned)((tasks + 7) / 8), 256, 0, stream>>>(x, ldx, suh, xb, scales, csum,
+                                                                      rows, in, ng);
     return cudaGetLastError();
 }
 

@@ -1,6 +1,9 @@
-// Instantiates the fused EXL3 product for K = 8 (one file per K so builds run in parallel).
-#include "exl3_mm.cuh"
+// Instantiates the fused EXL3 products (version 2 and 3) for K = 8 (one file per K so builds run in parallel).
+#include "exl3_gemv.cuh"
 
 namespace trellis {
 cudaError_t exl3_mm_k8(const MmArgs& a, cudaStream_t stream) { return launch_mm_k<8>(a, stream); }
+cudaError_t exl3_gv_k8(const MmArgs& a, int variant, cudaStream_t stream) {
+    return launch_gemv_k<8>(a, variant, stream);
+}
 }  // namespace trellis

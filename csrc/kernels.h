@@ -19,6 +19,16 @@ struct MmArgs {
     int ldsq = 0;
     const float2* scales = nullptr; // [m, in/128] (step of pass 1, step of pass 2)
     const float* csum = nullptr;    // [m, in/128] sum of xh over each 128-chunk
+    const uint32_t* xb = nullptr;   // version 3: activations in MMA fragment order (prep_frag)
+    int version = 3;                // 3: persistent-warp kernel (exl3_gemv.cuh), 2: exl3_mm.cuh
+    // Version 3 with y set: the kernel also applies the output transform (had128, svh, bias),
+    // writes y [m, out] (row stride ldy) and leaves z and counters zeroed. counters: int32
+    // [out/128], zero on entry.
+    half* y = nullptr;
+    int ldy = 0;
+    const half* svh = nullptr;
+    const half* bias = nullptr;
+    int* counters = nullptr;
     const uint32_t* trellis = nullptr;  // [in/16, out/16, 16K] int16 as uint32 words
     float* z = nullptr;             // [m, out] fp32, zero on entry; partial sums are added
     int m = 0, in = 0, out = 0, K = 0, codebook = 0, ksplit = 0, num_sms = 0;
@@ -28,6 +38,19 @@ struct MmArgs {
 // passes of xh per 128-chunk, their steps and the chunk sums (inputs of the MUL1 path).
 cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* sq, int ldsq,
                    float2* scales, float* csum, int rows, int in, cudaStream_t stream);
+
+// Version-3 activation prep: xh = had128(x * suh) written in MMA fragment order into xb. With
+// scales/csum non-null (MUL1 integer path, rows <= 8): two int8 passes of xh per 128-chunk, each
+// value repeated in 4 bytes, fragment groups of 4 rows (ng = 1 or 2), plus the steps and chunk
+// sums; otherwise fp16 fragments in groups of 8 rows (ng = 1, 2 or 4).
+cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
+                      float* csum, int rows, int in, int ng, cudaStream_t stream);
+
+// Groups of B columns the version-3 kernel uses for m rows (the xb layout depends on it).
+inline int gemv_groups(int m, bool int8) {
+    if (int8) return m <= 4 ? 1 : 2;
+    return m <= 8 ? 1 : (m <= 16 ? 2 : 4);
+}
 
 // z += had128(x * suh) @ What (before the output Hadamard). in, out multiples of 128.
 cudaError_t exl3_mm_partial(const MmArgs& args, cudaStream_t stream);
@@ -55,5 +78,13 @@ cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y
 // Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
                       int ld_up, int act, cudaStream_t stream);
+
+// Tail-biting Viterbi encoder (spec 5.6, same result as engine/quantize/viterbi.py): targets fp32
+// [n, 256] in stream order, lut the codebook's 65536 fp16 values, states int32 [n, 256]. `blocks`
+// persistent blocks (at most one per SM fits) share `scratch` of viterbi_scratch_bytes bytes.
+size_t viterbi_scratch_bytes(int K, int lookahead, int blocks);
+cudaError_t viterbi_encode(const float* targets, int n, int K, const half* lut, int warmup,
+                           int lookahead, int32_t* states, void* scratch, int blocks,
+                           cudaStream_t stream);
 
 }  // namespace trellis

@@ -56,11 +56,11 @@ def test_fused_product_all_rows(K, cb):
         x = torch.randn(rows, 512, device=DEV).half()
         want = fmt.exl3_matmul_reference(x.float(), t, ref_w)
         for mode in ("fused", "auto") if rows > 32 else ("fused",):
-            for int8 in (True, False) if cb == "mul1" and rows <= 8 else (None,):
-                y = ops.exl3_gemm(x, t, mode=mode, int8=int8)
+            for int8, version in itertools.product((True, False) if cb == "mul1" and rows <= 8 else (None,), (2, 3)):
+                y = ops.exl3_gemm(x, t, mode=mode, int8=int8, version=version)
                 assert y.shape == (rows, 384) and y.dtype == torch.float16
                 err = rel_rms(y, want)
-                assert err < 2e-3, (rows, mode, int8, err)
+                assert err < 2e-3, (rows, mode, int8, version, err)
 
 
 @pytest.mark.parametrize("n_in,n_out,rows", [(128, 128, 1), (1152, 640, 5), (384, 1280, 33), (4096, 256, 3)])
@@ -69,10 +69,10 @@ def test_odd_shapes_bias_and_splits(n_in, n_out, rows):
         t = rand_layer(n_in, n_out, 4, cb, seed=n_in + n_out, bias=True)
         x = torch.randn(2, rows, n_in, device=DEV).half()
         want = fmt.exl3_matmul_reference(x.float(), t)
-        for ksplit in (0, 1, 3):
-            y = ops.exl3_gemm(x, t, mode="fused", ksplit=ksplit)
+        for ksplit, version in ((0, 2), (1, 2), (3, 2), (0, 3)):
+            y = ops.exl3_gemm(x, t, mode="fused", ksplit=ksplit, version=version)
             assert y.shape == (2, rows, n_out)
-            assert rel_rms(y, want) < 2e-3
+            assert rel_rms(y, want) < 2e-3, (cb, ksplit, version)
         assert rel_rms(ops.exl3_gemm(x, t, mode="dense"), want) < 2e-3
 
 

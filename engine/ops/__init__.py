@@ -17,8 +17,13 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
 FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
 # MUL1 layers at m <= 8 may use the integer tensor-core path (activations as two int8 passes,
-# about 15 bits). Off until it has passed `pytest -m gpu` on a GPU (TRELLIS_INT8=1 turns it on).
+# about 15 bits). Correct on the H200 (pytest -m gpu), but off by default: with version 3 it is 4%
+# faster at m = 1 on 8192x28672 and 27% slower at m = 8, and whole-model decode is 7% slower with
+# it (its prep does more work; csrc/PERF_NOTES.md). TRELLIS_INT8=1 turns it on.
 INT8_PATH = os.environ.get("TRELLIS_INT8", "0") == "1"
+# Fused-product kernel generation: 3 = persistent warps (csrc/exl3_gemv.cuh), 2 = the previous
+# one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
+MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
 
 _ext = None
 _ext_error: Exception | None = None
@@ -77,6 +82,20 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     return ws
 
 
+def block_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """int32 per 128-column block: how much of the block the version-3 product has finished, so
+    the warp that completes a block can apply the output transform itself (no extra kernel).
+    Always zero between calls, like the workspace."""
+    c = _counters.get(device)
+    if c is None or c.numel() < numel:
+        c = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
+        _counters[device] = c
+    return c
+
+
+_counters: dict = {}
+
+
 # ------------------------------------------------------------------------------------------
 # EXL3
 
@@ -97,7 +116,8 @@ def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _fmt.hadamard128(x, dim)
 
 
-def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None) -> torch.Tensor:
+def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None,
+              version: int | None = None) -> torch.Tensor:
     """y = x @ W (+ bias) for an EXL3 linear `t` (EXL3Tensors-like: trellis, suh, svh,
     codebook, bias). x [..., in] (zero-extended if shorter than the padded `in`); returns
     [..., out_padded] in x's dtype on the CUDA path, fp32 on the reference path.
@@ -123,7 +143,10 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     if mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS):
         ws = workspace(x.device, min(rows, 32) * out_f)
         use_i8 = INT8_PATH if int8 is None else int8
-        y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8))
+        version = MM_VERSION if version is None else version
+        counters = block_counters(x.device, out_f // 128) if version == 3 else None
+        y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8),
+                          version, counters)
     else:
         xh = ext.had128(x2, t.suh, None, None)
         w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])

@@ -21,6 +21,11 @@ pass A), we take the true final argmin, and pass A covers 128 + 64 steps instead
 passes, e.g. 64 + 32, cost about 1% more MSE at K = 1..2 in our measurements). Costs are fp32
 (upstream uses fp16); the squared target term is constant over the states of a step and is
 dropped.
+
+On a CUDA device `encode_tiles` uses the fused kernel csrc/exl3_viterbi.cu when the extension is
+available (one launch for the whole batch instead of thousands of whole-tensor ops); it makes the
+same arithmetic and tie choices, so it returns the same states. TRELLIS_NO_CUDA_VITERBI=1 forces
+the torch path, which stays the fallback and the kernel's test oracle.
 """
 from __future__ import annotations
 
@@ -34,6 +39,21 @@ from engine.quantize import viterbi_native
 
 STEPS = 256
 _INF = float("inf")
+
+
+@functools.lru_cache(maxsize=16)
+def _lut_half(codebook: str, device: str) -> torch.Tensor:
+    return codebook_lut(codebook, device).contiguous()
+
+
+def _cuda_kernel_ok(device: torch.device, warmup: int, lookahead: int) -> bool:
+    if os.environ.get("TRELLIS_NO_CUDA_VITERBI") == "1":
+        return False
+    if not (1 <= warmup <= STEPS and 0 <= lookahead <= STEPS):
+        return False
+    from engine import ops  # deferred: the CPU converter never needs the extension machinery
+
+    return ops.kernels_available(device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -160,8 +180,9 @@ def encode_tiles(targets: torch.Tensor, K: int, codebook: str = "mul1",
                  native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize tiles [..., 256] (stream order) to trellis states.
 
-    On a CPU the fused C encoder (viterbi_native) is used when it builds; `native=False`
-    forces the torch path (also the CUDA path).
+    On a CPU the fused C encoder (viterbi_native) is used when it builds, on a GPU the fused CUDA
+    kernel (csrc/exl3_viterbi.cu) when the extension is available; `native=False` forces the torch
+    path (the reference both are tested against).
 
     Returns (states int32 [..., 256], decoded fp32 [..., 256]); `decoded` is exactly what
     `reconstruct` yields from the packed states (the codebook value of each state)."""
@@ -175,6 +196,11 @@ def encode_tiles(targets: torch.Tensor, K: int, codebook: str = "mul1",
     if native and flat.device.type == "cpu" and viterbi_native.available():
         lut, _ = _lut_terms(codebook, "cpu")
         states = viterbi_native.encode(flat, K, lut, warmup, lookahead)
+    elif native and flat.is_cuda and _cuda_kernel_ok(flat.device, warmup, lookahead):
+        from engine import ops
+
+        lut_h = _lut_half(codebook, str(flat.device))
+        states = ops.extension().viterbi_encode(flat.contiguous(), K, lut_h, warmup, lookahead)
     else:
         batch = batch or _max_batch(K, flat.device)
         states = torch.empty(n, STEPS, dtype=torch.int32, device=flat.device)

@@ -1,0 +1,463 @@
+// Fused EXL3 product for small batches, version 3: persistent warps over (column group, k row).
+//
+// Why this shape (csrc/PERF_NOTES.md has the measurements behind it):
+// - At batch 1..32 the layer is bound by streaming the trellis and by the integer work of
+//   decoding it. Each warp owns a contiguous range of "units" (one k row of 16 inputs times CT
+//   adjacent 16-column tiles, CT*32K contiguous bytes), so the grid is exactly the resident
+//   warps and every warp gets the same number of units whatever the shape: no wave tails.
+// - A warp streams its units through a private cp.async ring (no block barrier). A stage holds
+//   the unit's tiles plus that k row's activations, already in MMA fragment order (prep_x), so a
+//   lane reads its B operand with one 16-byte shared load per k row and reuses it for CT tiles.
+// - Every tile is decoded once, into the A operand of tensor-core MMAs that cover all rows.
+// - Shared memory is indexed from the kernel's own extern array, so loads are LDS with
+//   immediate offsets, not generic loads with 64-bit address arithmetic.
+// - Partial sums go to the fp32 workspace with atomics only when a warp's range leaves a column
+//   group (about twice per warp).
+//
+// Two arithmetic paths:
+// - I8 (MUL1, m <= 8): decode stops after the multiply s * 0x83DCD12D; its four bytes are four k
+//   slots of a u8 x s8 m16n8k32 MMA against the activation repeated in those slots (two int8
+//   passes, hi + residual, about 15 bits; B columns are (row, pass)). Folded to fp32 with the
+//   per-128 steps once per 8 k rows. About 2.4 integer ops per weight.
+// - F16 (any codebook, m <= 32): fp16 decode into m16n8k16 A fragments.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "exl3_decode.cuh"
+#include "exl3_mm.cuh"  // kMul1Inv, kMul1C0 (MUL1 value = kMul1Inv * byte sum + kMul1C0)
+#include "kernels.h"
+
+namespace trellis {
+
+constexpr int kGvWarps = 8;
+
+// Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
+// blocks fit on an SM and ~150 KB of trellis is in flight per SM.
+template <int K>
+__host__ __device__ constexpr int gv_stages() {
+    return K <= 4 ? 8 : 5;
+}
+
+__device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
+}
+// K = 4 states from the lane's two words: A = word t-1, B = word t (the 48-bit window H = A's low
+// 16 bits : B). State j is bits [28-4j, 44-4j) of H (the same states as state_at<4(j+1)>). Byte-
+// aligned windows are one PRMT against zero; the odd-nibble ones come from one funnel shift of
+// H by 4. 11 ALU ops for 8 states instead of 16.
+__device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t st[8]) {
+    const uint32_t V = __funnelshift_r(B, A, 4);  // H >> 4 (low 32 bits)
+    st[7] = B & 0xffffu;
+    st[5] = __byte_perm(B, 0u, 0x4421);
+    st[3] = B >> 16;
+    st[1] = __byte_perm(B, A & 0xffu, 0x5543);
+    st[6] = V & 0xffffu;
+    st[4] = __byte_perm(V, 0u, 0x4421);
+    st[2] = V >> 16;
+    st[0] = __funnelshift_r(B, A, 28) & 0xffffu;
+}
+
+// The lane's 8 raw states of one tile, read from shared memory (words of the tile at `tile`).
+template <int K>
+__device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa, int wb, int wc,
+                                          int shift, uint32_t st[8]) {
+    if constexpr (K == 4) {
+        lane_states_k4(smem[tile + wa], smem[tile + wb], st);
+    } else {
+        lane_states<K>(smem[tile + wa], smem[tile + wb], smem[tile + wc], shift, st);
+    }
+}
+
+enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
+
+// Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x
+// rows of 2 passes each; F16: 8 rows each), words of activations per lane per group per k row.
+template <int PATH, int NG>
+struct GvShape {
+    static constexpr int CT = PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
+    static constexpr int BW = PATH == GV_I8 ? 4 : 2;  // words per lane per group
+    static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
+};
+
+template <int K, int PATH, int NG>
+__host__ __device__ constexpr int gv_stage_words() {
+    return GvShape<PATH, NG>::CT * 8 * K + NG * 32 * GvShape<PATH, NG>::BW;
+}
+
+// The output transform of one finished 128-column block (see finish_block in the kernel). Not
+// inlined: it runs about once per warp, and inlined its registers would crowd the main loop.
+static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half* __restrict__ y, int ldy,
+                                             const half* __restrict__ svh,
+                                             const half* __restrict__ bias, int m, int out,
+                                             int blk, int lane) {
+    __threadfence();
+    const int k = blk * 128 + lane * 4;
+    const uint2 sv = *reinterpret_cast<const uint2*>(svh + k);
+    uint2 bv = make_uint2(0u, 0u);
+    if (bias) bv = *reinterpret_cast<const uint2*>(bias + k);
+    for (int r = 0; r < m; ++r) {
+        float4* zp = reinterpret_cast<float4*>(z + (size_t)r * out + k);
+        const float4 f = __ldcg(zp);
+        __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
+        float v[4] = {f.x, f.y, f.z, f.w};
+        wht128_lane4(v, lane);
+        half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+        half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+        o0 = __hmul2(o0, as_h2(sv.x));
+        o1 = __hmul2(o1, as_h2(sv.y));
+        if (bias) {
+            o0 = __hadd2(o0, as_h2(bv.x));
+            o1 = __hadd2(o1, as_h2(bv.y));
+        }
+        *reinterpret_cast<uint2*>(y + (size_t)r * ldy + k) = make_uint2(as_u32(o0), as_u32(o1));
+    }
+}
+
+// VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA).
+template <int K, int CB, int PATH, int NG, int VAR>
+__global__ void __launch_bounds__(kGvWarps * 32, 2)
+exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered activations
+                 const float2* __restrict__ scales,     // I8: [m, in/128] steps of the 2 passes
+                 const float* __restrict__ csum,        // I8: [m, in/128] chunk sums of xh
+                 const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
+                 int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
+                 const half* __restrict__ bias, int* __restrict__ counters) {
+    using S = GvShape<PATH, NG>;
+    constexpr int CT = S::CT;
+    constexpr int NS = gv_stages<K>();
+    constexpr int SW = gv_stage_words<K, PATH, NG>();
+    constexpr int TW = 8 * K;  // words per tile
+    extern __shared__ uint32_t gv_smem[];
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int tk = in >> 4;
+    const int tn = out >> 4;
+    const int groups = tn / CT;
+    const long units = (long)groups * tk;
+    const long nwarps = (long)gridDim.x * kGvWarps;
+    const long gw = (long)blockIdx.x * kGvWarps + warp;
+    const long u0 = units * gw / nwarps;
+    const long u1 = units * (gw + 1) / nwarps;
+    if (u0 >= u1) return;
+    const int n_units = (int)(u1 - u0);
+    const int ring = warp * NS * SW;
+    const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem + ring));
+
+    // Which lanes carry activations: group gr covers rows [gr*RPG, gr*RPG + RPG).
+    bool has_b[NG];
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+        const int row = gr * S::ROWS_PER_GROUP + (PATH == GV_I8 ? (lane >> 3) : (lane >> 2));
+        has_b[gr] = row < m;
+    }
+
+    // Producer state: the next unit to fetch, as (column group, k row), with running source
+    // pointers (already offset by this lane's 16-byte chunk) so that a fetch is a few adds.
+    constexpr int kChunks = CT * TW / 4;    // 16-byte chunks of trellis per unit
+    constexpr int kBChunks = PATH == GV_I8 ? 0 : NG * 16;  // F16 fragments: NG x 256 bytes
+    int p_grp = (int)(u0 / tk);
+    int p_row = (int)(u0 - (long)p_grp * tk);
+    int p_slot = 0;
+    const size_t row_step = (size_t)tn * TW;  // words from one k row of tiles to the next
+    const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
+    constexpr int kBRowWords = NG * 32 * S::BW;  // activation words per k row
+    const uint32_t* p_b = xb + (size_t)p_row * kBRowWords + lane * (PATH == GV_I8 ? S::BW : 4);
+    auto issue = [&](int s) {
+        if (s < n_units) {
+            const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + lane * 4) * 4u;
+#pragma unroll
+            for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + c0 * 4);
+            }
+            if constexpr (PATH == GV_I8) {
+                // 16 bytes per lane per group, only for lanes whose B column is a real row.
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr)
+                    if (has_b[gr]) gv_cp16(ring_sa + (uint32_t)(p_slot * SW + CT * TW + (gr * 32 + lane) * 4) * 4u, p_b + gr * 128);
+            } else {
+#pragma unroll
+                for (int c0 = 0; c0 < kBChunks; c0 += 32) {
+                    if (kBChunks % 32 == 0 || c0 + lane < kBChunks)
+                        gv_cp16(dst + (CT * TW + c0 * 4) * 4, p_b + c0 * 4);
+                }
+            }
+            p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
+            p_src += row_step;
+            p_b += kBRowWords;
+            if (++p_row == tk) {
+                p_row = 0;
+                ++p_grp;
+                p_src = trellis + (size_t)p_grp * CT * TW + lane * 4;
+                p_b = xb + lane * (PATH == GV_I8 ? S::BW : 4);
+            }
+        }
+        cp_async_commit();
+    };
+
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) issue(s);
+
+    int wa, shift;
+    lane_window<K>(lane, wa, shift);
+    const int wb = wrap_word<K>(wa + 1);
+    const int wc = wrap_word<K>(wa + 2);
+    const int g = lane >> 2;
+    const int cq = lane & 3;
+
+    // Consumer state.
+    int c_grp = (int)(u0 / tk);
+    int c_row = (int)(u0 - (long)c_grp * tk);
+    int c_slot = 0;
+    bool seg_has_row0 = c_row == 0;  // this warp's part of the current column group starts at k row 0
+    int seg_units = 0;               // k rows of the current column group done by this warp
+    const int nch = in >> 7;
+
+    // I8 accumulators: integer per 128-chunk, folded into fp32.
+    int iacc[NG][CT][4];
+    float facc[NG][CT][2];
+    float cadd[NG];
+    float2 cur_sc[NG];
+    // F16 accumulators.
+    float acc[NG][CT][4];
+
+    auto zero_acc = [&]() {
+#pragma unroll
+        for (int gr = 0; gr < NG; ++gr) {
+            cadd[gr] = 0.f;
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    if constexpr (PATH == GV_I8) iacc[gr][ct][q] = 0; else acc[gr][ct][q] = 0.f;
+                }
+                facc[gr][ct][0] = facc[gr][ct][1] = 0.f;
+            }
+        }
+    };
+    auto load_scales = [&]() {
+        if constexpr (PATH == GV_I8) {
+            const int ch = c_row >> 3;
+#pragma unroll
+            for (int gr = 0; gr < NG; ++gr) {
+                const int row = gr * 4 + cq;
+                cur_sc[gr] = row < m ? scales[(size_t)row * nch + ch] : make_float2(0.f, 0.f);
+            }
+        }
+    };
+    auto fold = [&]() {
+        if constexpr (PATH == GV_I8) {
+#pragma unroll
+            for (int gr = 0; gr < NG; ++gr) {
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct) {
+                    facc[gr][ct][0] += cur_sc[gr].x * (float)iacc[gr][ct][0] + cur_sc[gr].y * (float)iacc[gr][ct][1];
+                    facc[gr][ct][1] += cur_sc[gr].x * (float)iacc[gr][ct][2] + cur_sc[gr].y * (float)iacc[gr][ct][3];
+                    iacc[gr][ct][0] = iacc[gr][ct][1] = iacc[gr][ct][2] = iacc[gr][ct][3] = 0;
+                }
+            }
+        }
+    };
+    // Add this warp's partial sums for column group c_grp to z.
+    auto flush = [&]() {
+        if constexpr (PATH == GV_I8) {
+            // The constant part of MUL1 (kMul1C0 per weight) adds kMul1C0 * sum(xh row) to every
+            // output column; exactly one warp per column group (the one holding k row 0) adds it.
+            if (seg_has_row0) {
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr) {
+                    const int row = gr * 4 + cq;
+                    float t = 0.f;
+                    if (row < m)
+                        for (int c = 0; c < nch; ++c) t += csum[(size_t)row * nch + c];
+                    cadd[gr] = t;
+                }
+            }
+        }
+#pragma unroll
+        for (int gr = 0; gr < NG; ++gr) {
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct) {
+                const int col = (c_grp * CT + ct) * 16 + g;
+                if constexpr (PATH == GV_I8) {
+                    // D: c0/c1 = (out col g, row cq pass 1/2), c2/c3 = the same for col g+8.
+                    const int row = gr * 4 + cq;
+                    if (row < m) {
+                        const float base = seg_has_row0 ? kMul1C0 * cadd[gr] : 0.f;
+                        atomicAdd(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
+                        atomicAdd(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
+                    }
+                } else {
+                    // D: c0/c1 = (out col g, rows 2cq, 2cq+1), c2/c3 = the same for col g+8.
+                    const int row = gr * 8 + 2 * cq;
+                    if (row < m) {
+                        atomicAdd(z + (size_t)row * out + col, acc[gr][ct][0]);
+                        atomicAdd(z + (size_t)row * out + col + 8, acc[gr][ct][2]);
+                    }
+                    if (row + 1 < m) {
+                        atomicAdd(z + (size_t)(row + 1) * out + col, acc[gr][ct][1]);
+                        atomicAdd(z + (size_t)(row + 1) * out + col + 8, acc[gr][ct][3]);
+                    }
+                }
+            }
+        }
+    };
+
+    // Fused output stage: the warp that completes a 128-column block (every k row of every
+    // column group in it, counted in `counters`) applies had128 / sqrt(128), svh and bias, writes
+    // y and zeroes the block's workspace and counter, so no separate kernel runs after the
+    // product. The fence orders this warp's atomics before its count; the finisher reads z
+    // through L2 (__ldcg) after the count shows every contribution.
+    auto finish_block = [&]() {
+        __threadfence();
+        __syncwarp();
+        const int blk = (c_grp * CT) >> 3;
+        int prev = 0;
+        if (lane == 0) prev = atomicAdd(counters + blk, seg_units);
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev + seg_units != tk * (8 / CT)) return;
+        gv_finish_block(z, y, ldy, svh, bias, m, out, blk, lane);
+        if (lane == 0) counters[blk] = 0;
+    };
+
+    zero_acc();
+    load_scales();
+    for (int s = 0; s < n_units; ++s) {
+        cp_async_wait<NS - 2>();
+        __syncwarp();
+        issue(s + NS - 1);
+        const int base = ring + c_slot * SW;
+        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+
+        if constexpr (PATH == GV_I8) {
+            uint4 b[NG];
+#pragma unroll
+            for (int gr = 0; gr < NG; ++gr) {
+                const int ba = base + CT * TW + (gr * 32 + lane) * 4;
+                b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct) {
+                const int tile = base + ct * TW;
+                uint32_t x[8];
+                if constexpr (VAR == 1) {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) x[q] = gv_smem[tile + (q & 1 ? wb : wa)] + q;
+                } else {
+                    gv_states<K>(gv_smem, tile, wa, wb, wc, shift, x);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) x[q] *= 0x83DCD12Du;
+                }
+                if constexpr (VAR == 2) {
+                    iacc[0][ct][0] += x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
+                } else {
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr) {
+                        mma_16832_u8s8(iacc[gr][ct], x[0], x[4], x[1], x[5], b[gr].x, b[gr].y);
+                        mma_16832_u8s8(iacc[gr][ct], x[2], x[6], x[3], x[7], b[gr].z, b[gr].w);
+                    }
+                }
+            }
+        } else {
+            uint2 b[NG];
+#pragma unroll
+            for (int gr = 0; gr < NG; ++gr) {
+                const int ba = base + CT * TW + (gr * 32 + lane) * 2;
+                b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(gv_smem + ba) : make_uint2(0u, 0u);
+            }
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct) {
+                const int tile = base + ct * TW;
+                uint32_t v[4];
+                if constexpr (VAR == 1) {
+                    v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
+                } else {
+                    uint32_t st[8];
+                    gv_states<K>(gv_smem, tile, wa, wb, wc, shift, st);
+                    v[0] = decode_pair<CB>(st[0], st[1]);
+                    v[1] = decode_pair<CB>(st[2], st[3]);
+                    v[2] = decode_pair<CB>(st[4], st[5]);
+                    v[3] = decode_pair<CB>(st[6], st[7]);
+                }
+                if constexpr (VAR == 2) {
+                    acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
+                } else {
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                }
+            }
+        }
+
+        // Advance the consumer: fold at the end of each 128-wide chunk, flush at the end of a
+        // column group.
+        const bool last = s + 1 == n_units;
+        const bool chunk_end = (c_row & 7) == 7 || c_row + 1 == tk || last;
+        if (chunk_end) fold();
+        ++seg_units;
+        if (++c_row == tk || last) {
+            flush();
+            if (y) finish_block();
+            if (!last) {
+                zero_acc();
+                c_row = 0;
+                ++c_grp;
+                seg_has_row0 = true;
+                seg_units = 0;
+            }
+        }
+        if (chunk_end && !last) load_scales();
+    }
+    cp_async_wait<0>();
+}
+
+// Host side: grid = resident warps (2 blocks of 8 warps per SM), capped so that every warp has at
+// least 8 units (small layers gain nothing from more warps than that).
+template <int K, int CB, int PATH, int NG, int VAR>
+cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
+    using S = GvShape<PATH, NG>;
+    const long units = (long)(a.out / 16 / S::CT) * (a.in / 16);
+    long blocks = 2L * (a.num_sms > 0 ? a.num_sms : 132);
+    const long by_units = (units / 8 + kGvWarps - 1) / kGvWarps;
+    if (by_units < blocks) blocks = by_units > 0 ? by_units : 1;
+    const size_t smem = (size_t)kGvWarps * gv_stages<K>() * gv_stage_words<K, PATH, NG>() * 4;
+    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    kern<<<(unsigned)blocks, kGvWarps * 32, smem, stream>>>(a.xb, a.scales, a.csum, a.trellis, a.z,
+                                                            a.m, a.in, a.out, a.y, a.ldy, a.svh,
+                                                            a.bias, a.counters);
+    return cudaGetLastError();
+}
+
+template <int K, int CB, int PATH, int NG>
+cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
+    if constexpr (NG == 1) {
+        if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
+        if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
+    }
+    return launch_gemv_var<K, CB, PATH, NG, 0>(a, stream);
+}
+
+// One K: a.scales != null selects the MUL1 integer path (m <= 8), else the fp16 path (m <= 32).
+template <int K>
+cudaError_t launch_gemv_k(const MmArgs& a, int variant, cudaStream_t stream) {
+    if (a.scales) {
+        if (a.m <= 4) return launch_gemv_ng<K, CB_MUL1, GV_I8, 1>(a, variant, stream);
+        return launch_gemv_ng<K, CB_MUL1, GV_I8, 2>(a, variant, stream);
+    }
+#define TRELLIS_GV_CASE(CBV)                                                        \
+    if (a.m <= 8) return launch_gemv_ng<K, CBV, GV_F16, 1>(a, variant, stream);     \
+    if (a.m <= 16) return launch_gemv_ng<K, CBV, GV_F16, 2>(a, variant, stream);    \
+    return launch_gemv_ng<K, CBV, GV_F16, 4>(a, variant, stream);
+    switch (a.codebook) {
+        case CB_3INST: TRELLIS_GV_CASE(CB_3INST)
+        case CB_MCG: TRELLIS_GV_CASE(CB_MCG)
+        case CB_MUL1: TRELLIS_GV_CASE(CB_MUL1)
+        default: return cudaErrorInvalidValue;
+    }
+#undef TRELLIS_GV_CASE
+}
+
+}  // namespace trellis
