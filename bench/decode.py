@@ -5,9 +5,9 @@
 Loop as the reference measured it: one token per forward, argmax, host sync each token. Paths:
   torch       load_model as is (its QuantLinear keeps a reconstructed dense fp16 weight)
   cuda        EXL3 linears routed through the kernels (engine.ops), eager PyTorch around them
-  cuda-graph  the same, one CUDA graph per decode step: a static-shape step (position and KV
-              write index live on the device, attention over the whole cache with a mask), so
-              no host work is left per token but the sync that reads the token
+  cuda-graph  the same, each decode step a CUDA-graph replay of the model's own forward over a
+              static cache (engine.generate.graph_decode, what generate() uses on CUDA), so no
+              host work is left per token but the sync that reads the token
 Prints one JSON line per (path, context).
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Path:
@@ -51,99 +50,38 @@ def load(model_dir: Path, path: str):
     return model, time.time() - t0
 
 
-class StaticStep:
-    """One decode step of a Llama-style DecoderLM with static shapes, for CUDA graph capture.
-    Reads the model's own modules; only the plumbing (positions, cache writes, mask) differs."""
-
-    def __init__(self, model, max_len: int):
-        self.m = model
-        c = model.config
-        dev = model.device
-        self.max_len = max_len
-        self.ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.cos_t, self.sin_t = model.rotary(torch.arange(max_len, device=dev), model.dtype)
-        shape = (1, c.num_kv_heads, max_len, c.head_dim)
-        self.k = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_layers)]
-        self.v = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_layers)]
-        self.key_pos = torch.arange(max_len, device=dev)
-        self.graph = None
-
-    def step(self) -> torch.Tensor:
-        from engine.models.rope import apply_rope
-
-        m = self.m
-        cos = self.cos_t.index_select(0, self.pos)
-        sin = self.sin_t.index_select(0, self.pos)
-        mask = (self.key_pos <= self.pos)[None, None, None, :]
-        x = F.embedding(self.ids, m.embed_tokens)
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, 1, a.num_heads, a.head_dim).transpose(1, 2)
-            k = a.k_proj(h).view(1, 1, a.num_kv_heads, a.head_dim).transpose(1, 2)
-            v = a.v_proj(h).view(1, 1, a.num_kv_heads, a.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            self.k[i].index_copy_(2, self.pos, k)
-            self.v[i].index_copy_(2, self.pos, v)
-            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=a.scale, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = m.lm_head(m.norm(x))
-        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.pos.add_(1)
-        return self.ids
-
-    def capture(self):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self.step()
-        self.graph.replay()
-        return self.out
-
-
 def decode_eager(model, context: int, tokens: int) -> float:
     """Tokens/s of the model's own forward with its KV cache (one token per forward)."""
     cache = model.new_cache(1, context + tokens + 8)
-    if context:
-        cache.length = context  # the cache content does not change the work done
-    ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
-    with torch.inference_mode():
-        for _ in range(3):
-            ids = model(ids, cache)[:, -1].argmax(-1, keepdim=True)
-            int(ids)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            ids = model(ids, cache)[:, -1].argmax(-1, keepdim=True)
-            int(ids)  # host sync per token, like the reference's loop
-        dt = time.perf_counter() - t0
-    return tokens / dt
+    return _timed_decode(lambda ids: model(ids, cache), cache, context, tokens)
 
 
 def decode_graph(model, context: int, tokens: int) -> float:
+    """Tokens/s of the engine's CUDA-graph decode (engine.generate.graph_decode), as generate() runs it."""
+    from engine.generate.graph_decode import GraphDecoder
+
+    decoder = GraphDecoder(model)  # directly, whatever TRELLIS_CUDA_GRAPHS says
+    cache = decoder.new_cache(1, context + tokens + 8)
+    tps = _timed_decode(decoder.step, cache, context, tokens)
+    if decoder.disabled:  # it fell back to eager steps: that is not this path's number
+        raise RuntimeError(f"capture failed: {decoder.disabled}")
+    return tps
+
+
+def _timed_decode(step, cache, context: int, tokens: int) -> float:
+    if context:
+        cache.advance(context)  # the cache content does not change the work done
+    ids = torch.ones(1, 1, dtype=torch.long, device=cache.device)
     with torch.inference_mode():
-        st = StaticStep(model, context + tokens + 16)
-        st.pos.fill_(context)
-        st.capture()
-        st.pos.fill_(context)
         for _ in range(3):
-            int(st.run())
-        st.pos.fill_(context)
+            ids = step(ids)[:, -1].argmax(-1, keepdim=True)
+            int(ids)
+        cache.truncate(context)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(tokens):
-            int(st.run())
+            ids = step(ids)[:, -1].argmax(-1, keepdim=True)
+            int(ids)  # host sync per token, like the reference's loop
         dt = time.perf_counter() - t0
     return tokens / dt
 

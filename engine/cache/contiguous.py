@@ -1,12 +1,15 @@
 """The simplest KV cache: one preallocated [batch, kv_heads, max_len, head_dim] pair per layer.
 
 All rows of a batch share one length (no padding, no paging); the paged cache for continuous
-batching comes later and keeps the same `update`/`advance` contract.
+batching comes later and keeps the same contract. One forward of T new tokens asks the cache,
+in this order: `positions(T)` and `mask(T, window)` (where the tokens go and which keys they
+see), `update` per layer (store and return the keys to attend), then `advance(T)`.
 """
 from __future__ import annotations
 
 import torch
 
+from engine.cache.masks import attention_mask
 from engine.errors import TrellisError
 
 
@@ -24,6 +27,7 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.batch = batch
         self.max_len = max_len
+        self.device = torch.device(device)
         self.length = 0  # tokens already stored (and attended to by the next forward)
 
     def check_room(self, new_tokens: int, batch: int) -> None:
@@ -31,6 +35,14 @@ class KVCache:
             raise TrellisError(f"input batch {batch} does not match the cache's batch {self.batch}")
         if self.length + new_tokens > self.max_len:
             raise CacheFull(f"context full: {self.length} + {new_tokens} tokens exceed the cache size {self.max_len}")
+
+    def positions(self, new_tokens: int) -> torch.Tensor:
+        """Positions [T] of the next T tokens (the rope angles)."""
+        return torch.arange(self.length, self.length + new_tokens, device=self.device)
+
+    def mask(self, new_tokens: int, window: int | None) -> torch.Tensor | None:
+        """The attention mask for the next T tokens over the keys `update` will return."""
+        return attention_mask(self.length, new_tokens, window, self.device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [B, Hkv, T, D] after the first `length` positions; return all of them."""

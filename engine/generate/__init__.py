@@ -1,7 +1,8 @@
-"""Generation: sampling settings, the single-sequence loop, and its result types."""
+"""Generation: sampling settings, the single-sequence loop, CUDA-graph decode, and result types."""
+from engine.generate.graph_decode import GraphDecoder, graph_decoder
 from engine.generate.loop import (GenerationResult, GenerationStats, IncrementalDecoder, StopStringFilter,
                                   generate)
 from engine.generate.sampling import SamplerSettings, sample_next, top_k_mask, top_p_mask
 
-__all__ = ["GenerationResult", "GenerationStats", "IncrementalDecoder", "SamplerSettings", "StopStringFilter",
-           "generate", "sample_next", "top_k_mask", "top_p_mask"]
+__all__ = ["GenerationResult", "GenerationStats", "GraphDecoder", "IncrementalDecoder", "SamplerSettings",
+           "StopStringFilter", "generate", "graph_decoder", "sample_next", "top_k_mask", "top_p_mask"]

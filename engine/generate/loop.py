@@ -1,5 +1,7 @@
 """The single-sequence generation loop: prefill the prompt into a contiguous KV cache, then
-decode one token at a time until EOS, a stop string, the token limit or a cancel request.
+decode one token at a time until EOS, a stop string, the token limit or a cancel request. On a
+CUDA device the decode steps are CUDA-graph replays (engine.generate.graph_decode); the prefill
+and the sampler stay eager.
 
 Streaming is the subtle part. A token can end in the middle of a UTF-8 character (byte-level BPE
 splits emoji and CJK across tokens), and a stop string can be split across tokens too. So text is
@@ -15,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine.errors import ConfigError
+from engine.generate.graph_decode import graph_decoder
 from engine.generate.sampling import SamplerSettings, sample_next
 
 REPLACEMENT_CHAR = "\ufffd"  # what the decoder yields for an incomplete UTF-8 sequence
@@ -159,6 +162,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
     generator = sampler.make_generator()
     eos_ids = set(getattr(tokenizer, "eos_ids", ()) or ())
     device = _model_device(model)
+    graphs = graph_decoder(model)  # replays decode steps as CUDA graphs; None off CUDA
     generated: list[int] = []
     history = torch.tensor(prompt_ids, dtype=torch.long)
 
@@ -170,7 +174,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
     finish_reason = "length"
     with torch.inference_mode():
         if max_new_tokens > 0:
-            cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+            max_len = len(prompt_ids) + max_new_tokens
+            cache = graphs.new_cache(1, max_len) if graphs else model.new_cache(1, max_len)
             logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache=cache)[0, -1]
         first_token_at = None
         for step in range(max_new_tokens):
@@ -192,7 +197,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
                 finish_reason = "stop"
                 break
             if step + 1 < max_new_tokens:
-                logits = model(torch.tensor([[token]], dtype=torch.long, device=device), cache=cache)[0, -1]
+                ids = torch.tensor([[token]], dtype=torch.long, device=device)
+                logits = (graphs.step(ids) if graphs else model(ids, cache=cache))[0, -1]
     if not stops.stopped:
         emit(stops.feed(decoder.flush()))
         if stops.stopped:

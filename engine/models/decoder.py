@@ -20,7 +20,7 @@ from torch import nn
 from engine.cache.contiguous import KVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, attention, attention_mask
+from engine.models.layers import GatedMLP, attention
 from engine.models.loading import WeightLoader
 from engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -102,11 +102,8 @@ class DecoderLM(CausalLM):
             progress(total, total)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        start = self._start(input_ids, cache)
-        T = input_ids.shape[1]
-        positions = torch.arange(start, start + T, device=self.device)
+        positions, masks = self._attention_inputs(input_ids, cache)
         cos, sin = self.rotary(positions, self.dtype)
-        masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
 
         x = self.embed(input_ids)
         for layer in self.layers:
@@ -114,7 +111,7 @@ class DecoderLM(CausalLM):
         logits = self.head_logits(self.norm(x))
 
         if cache is not None:
-            cache.advance(T)
+            cache.advance(input_ids.shape[1])
         return logits
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

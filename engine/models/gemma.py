@@ -25,7 +25,7 @@ from engine.cache.contiguous import KVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.decoder import Attention
-from engine.models.layers import GatedMLP, attention_mask
+from engine.models.layers import GatedMLP
 from engine.models.loading import WeightLoader
 from engine.models.rope import RotaryEmbedding
 
@@ -76,12 +76,9 @@ class GemmaLM(CausalLM):
             progress(total, total)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        start = self._start(input_ids, cache)
-        T = input_ids.shape[1]
-        positions = torch.arange(start, start + T, device=self.device)
+        positions, masks = self._attention_inputs(input_ids, cache)
         rope_global = self.rotary_global(positions, self.dtype)
         rope_local = self.rotary_local(positions, self.dtype) if self.rotary_local else rope_global
-        masks = {w: attention_mask(start, T, w, self.device) for w in {l.self_attn.window for l in self.layers}}
 
         x = self.embed(input_ids)
         for layer in self.layers:
@@ -90,7 +87,7 @@ class GemmaLM(CausalLM):
         logits = self.head_logits(self.norm(x))
 
         if cache is not None:
-            cache.advance(T)
+            cache.advance(input_ids.shape[1])
         return logits
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import ops
+# attention_mask is re-exported: the converter's layer runner and the benches import it from here
+from engine.cache.masks import attention_mask, causal_mask  # noqa: F401
 from engine.errors import ConfigError
 from engine.formats.exl3 import EXL3Tensors
 
@@ -121,13 +123,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is None and T > 1 and T != S:
         mask = causal_mask(S - T, T, None, q.device)
 
-    if softcap is None and T == 1 and q.device.type == "cpu" and mask is None:
-        # One decode query on the CPU: SDPA's kernels cost ~20x more than two small matmuls here.
-        # Grouped heads are folded into the query axis so K/V are never copied.
-        B, H, _, D = q.shape
-        qg = q.reshape(B, k.shape[1], groups, D)
-        probs = torch.softmax(torch.matmul(qg, k.transpose(2, 3)).float() * scale, dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).reshape(B, H, 1, D)
+    if softcap is None and T == 1 and q.device.type == "cpu":
+        return one_query_attention(q, k, v, mask, scale)
 
     if softcap is None:
         kwargs = {"scale": scale}
@@ -151,21 +148,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.matmul(probs, v)
 
 
-def causal_mask(start: int, length: int, window: int | None, device: torch.device | str) -> torch.Tensor:
-    """bool [length, start+length]: query at position p sees keys at p-window < k <= p."""
-    q_pos = torch.arange(start, start + length, device=device)[:, None]
-    k_pos = torch.arange(start + length, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    return allowed
-
-
-def attention_mask(start: int, length: int, window: int | None, device: torch.device | str) -> torch.Tensor | None:
-    """The mask `attention` needs, or None when plain causal attention is the same thing."""
-    if window is None or start + length <= window:
-        return None
-    return causal_mask(start, length, window, device)
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """One decode query per row on the CPU, where SDPA's kernels cost ~20x more than two small
+    matmuls. Grouped heads are folded into the query axis so K/V are never copied. `mask` is None
+    or [1, S] (a sliding window, or the static cache's not-yet-written slots)."""
+    B, H, _, D = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(B, kv_heads, H // kv_heads, D)
+    scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [B, Hkv, groups, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(B, H, 1, D)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,7 @@ class ModelHost:
 
     def _load_parts(self, cmd: Load, model_dir: Path, device: str, info: ModelInfo, step: dict,
                     progress: ProgressFn):
+        from engine.generate.graph_decode import graph_decoder
         from engine.models import load_model
         from engine.tokenizer import Tokenizer
 
@@ -172,6 +173,13 @@ class ModelHost:
         progress(0.95, step["what"])
         cache = model.new_cache(1, max_context)
         info.cache_bytes = _tensor_bytes(cache)
+        graphs = graph_decoder(model)
+        if graphs is not None:
+            # On CUDA the decode steps are graph replays over the decoder's own static cache:
+            # allocate that one now, at the size that just fitted, and every generation reuses
+            # it (and the graphs captured over it) instead of allocating its own.
+            del cache
+            graphs.new_cache(1, max_context)
         return model, tokenizer, draft, max_context
 
     def unload(self) -> None:

@@ -1,0 +1,83 @@
+"""A KV cache whose one-token decode step has static shapes, so the step can be a CUDA graph.
+
+KVCache slices its buffers to the stored length, a host integer that changes every token; a
+CUDA graph replays fixed shapes and fixed host values. So for a one-token forward this cache:
+
+- keeps the write position on the device (`position`, long [1]): `update` writes there with
+  index_copy_ and `advance` adds to it, so a replayed graph moves itself on by one token;
+- attends over a fixed `span` of slots (a power of two >= min_span, capped at max_len), with a
+  mask computed on the device that hides the slots after the position (and, for sliding-window
+  layers, the slots that fell out of the window).
+
+The span only changes when the sequence crosses a power of two, so a long decode replays a
+handful of graphs (engine.generate.graph_decode keys them by span), and past min_span no step
+reads more than twice the keys it needs, however large max_len is.
+
+Multi-token forwards (prefill) are never captured: they take KVCache's exact-length path, which
+keeps SDPA's causal kernels. `length` (host) and `position` (device) always hold the same count;
+whoever replays a graph adds to `length` itself, since the graph only moves `position`.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.cache.contiguous import KVCache
+
+MIN_SPAN = 256
+
+
+class StaticKVCache(KVCache):
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str, min_span: int = MIN_SPAN):
+        super().__init__(num_layers, batch, num_kv_heads, head_dim, max_len, dtype, device)
+        self.min_span = min_span
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slots = torch.arange(max_len, device=self.device)  # slot i holds the token at position i
+
+    def span(self, new_tokens: int = 1) -> int:
+        """How many slots the next forward attends over: the stored ones exactly for a prefill,
+        the smallest power-of-two bucket that holds them for a one-token step."""
+        end = self.length + new_tokens
+        if new_tokens > 1:
+            return end
+        span = self.min_span
+        while span < end:
+            span *= 2
+        return min(span, self.max_len)
+
+    def positions(self, new_tokens: int) -> torch.Tensor:
+        if new_tokens > 1:
+            return super().positions(new_tokens)
+        return self.position.clone()
+
+    def mask(self, new_tokens: int, window: int | None) -> torch.Tensor | None:
+        """For one token: bool [1, span], True for the slots at positions p-window < k <= p."""
+        if new_tokens > 1:
+            return super().mask(new_tokens, window)
+        keys = self.slots[:self.span(1)]
+        allowed = keys <= self.position
+        if window is not None:
+            allowed &= keys > self.position - window
+        return allowed[None, :]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one token's k, v [B, Hkv, 1, D] at `position`; return the first `span` slots
+        (the mask hides the ones not yet written or out of the window)."""
+        if k.shape[2] > 1:
+            return super().update(layer, k, v)
+        self.keys[layer].index_copy_(2, self.position, k)
+        self.values[layer].index_copy_(2, self.position, v)
+        span = self.span(1)
+        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+
+    def advance(self, new_tokens: int) -> None:
+        super().advance(new_tokens)
+        self.position.add_(new_tokens)
+
+    def reset(self) -> None:
+        super().reset()
+        self.position.zero_()
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.position.fill_(length)

@@ -1,0 +1,103 @@
+"""CUDA-graph decode on the GPU (pytest -m gpu): replayed steps give the eager forward's logits
+(the EXL3 fixture through the kernels, and a tiny model of every family), generate() gives the
+same tokens with graphs as without, and the worker's host keeps one cache for its generations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine.generate import SamplerSettings, generate  # noqa: E402
+from engine.generate.graph_decode import GraphDecoder, graph_decoder  # noqa: E402
+from engine.models import load_model  # noqa: E402
+from tests.test_static_cache import FAMILIES, assert_same_logits, decode_logits, tiny_model  # noqa: E402
+
+TAG = "llama-4.0bpw-mul1-h6"
+
+
+@pytest.fixture(scope="module")
+def fixture_model(ref_fixtures):
+    return load_model(ref_fixtures / "exl3" / TAG, device="cuda")  # fp16, EXL3 kernels when they build
+
+
+def _three_ways(model, ids: torch.Tensor, prompt: int, max_len: int):
+    """Logits per forward: graph replays, the eager forward over a static cache, and over KVCache."""
+    decoder = GraphDecoder(model)
+    replayed = decode_logits(model, decoder.new_cache(ids.shape[0], max_len), ids, prompt, step=decoder.step)
+    assert decoder.disabled is None, decoder.disabled
+    eager = decode_logits(model, model.new_static_cache(ids.shape[0], max_len), ids, prompt)
+    plain = decode_logits(model, model.new_cache(ids.shape[0], max_len), ids, prompt)
+    return decoder, replayed, eager, plain
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_replay_equals_eager_on_exl3_fixture(fixture_model, batch):
+    """250 prompt tokens then 12 steps: the span goes 256 -> 300 (max_len), two graphs."""
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, fixture_model.config.vocab_size, (batch, 262), generator=g).cuda()
+    decoder, replayed, eager, plain = _three_ways(fixture_model, ids, prompt=250, max_len=300)
+    assert sorted(decoder.graphs) == [(batch, 256), (batch, 300)]
+    # Same kernels and shapes, but the fused product adds split partial sums with fp32 atomics in
+    # whatever order warps finish, so fp16 outputs may differ in the last bit (H200: 1e-3 of the
+    # logit scale after two layers).
+    assert_same_logits(replayed, eager, rel=1e-2)
+    for r, p in zip(replayed, plain):              # another attention kernel: fp16 rounding apart
+        assert _rel_rms(r, p) < 1e-2
+        assert torch.equal(r.argmax(-1), p.argmax(-1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_equals_eager_every_family(family, tmp_path):
+    model = tiny_model(family, tmp_path, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=g).cuda()
+    decoder, replayed, eager, plain = _three_ways(model, ids, prompt=7, max_len=19)
+    assert list(decoder.graphs) == [(1, 19)]
+    assert_same_logits(replayed, eager, rel=1e-5)
+    assert_same_logits(replayed, plain, rel=1e-4)
+
+
+def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):
+    from engine.tokenizer import Tokenizer
+
+    manifest = json.loads((ref_fixtures / "manifest.json").read_text())
+    prompt = manifest["models"][TAG]["prompt_ids"]
+    tok = Tokenizer.from_dir(ref_fixtures / "exl3" / TAG)
+    monkeypatch.setenv("TRELLIS_CUDA_GRAPHS", "0")
+    assert graph_decoder(fixture_model) is None
+    without = generate(fixture_model, tok, prompt, 40, SamplerSettings())
+    monkeypatch.delenv("TRELLIS_CUDA_GRAPHS")
+    with_graphs = generate(fixture_model, tok, prompt, 40, SamplerSettings())
+    decoder = graph_decoder(fixture_model)
+    assert decoder is not None and decoder.disabled is None and decoder.graphs
+    assert with_graphs.token_ids == without.token_ids and len(without.token_ids) > 8
+    captured, cache = dict(decoder.graphs), decoder.cache
+    again = generate(fixture_model, tok, prompt, 40, SamplerSettings())
+    assert again.token_ids == without.token_ids
+    assert decoder.cache is cache and decoder.graphs == captured  # reused, nothing recaptured
+
+
+def test_worker_host_reserves_the_graph_cache(ref_fixtures):
+    from engine.worker import protocol as p
+    from engine.worker.host import ModelHost
+
+    host = ModelHost()
+    host.load(p.Load(model_dir=str(ref_fixtures / "exl3" / TAG), max_context=512, device="cuda:0"))
+    decoder = graph_decoder(host.model)
+    cache = decoder.cache
+    assert cache is not None and cache.max_len == 512
+    texts = []
+    out = host.generate(p.Generate(request_id="r1", prompt="The", max_tokens=12), texts.append, lambda: False)
+    assert decoder.cache is cache and decoder.graphs and decoder.disabled is None
+    assert out.stats.generated_tokens > 0 and "".join(texts) == out.text
+    host.unload()
