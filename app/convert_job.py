@@ -50,7 +50,7 @@ class ConversionRequest:
 
 @dataclass
 class ConvertProgress:
-    stage: str = ""                 # "start" | "module" | "compile" | "done" | "" (relayed by the engine)
+    stage: str = ""                 # "start" | "measure" | "module" | "compile" | "done" | "" (relayed by the engine)
     fraction: Optional[float] = None
     index: Optional[int] = None     # modules finished
     total: Optional[int] = None
@@ -263,7 +263,7 @@ class EngineConvert(_Runner):
     def _progress(self, cmd_id: str, prog) -> None:
         if cmd_id and cmd_id == self.command_id:
             # The engine relays the job's module name, or its stage name between modules.
-            stage = prog.message if prog.message in ("start", "compile", "done") else ""
+            stage = prog.message if prog.message in ("start", "measure", "compile", "done") else ""
             module = "" if stage else prog.message
             self.progress.emit(ConvertProgress(stage=stage, fraction=prog.fraction, module=module, eta_s=prog.eta_s))
 

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cal-cols", type=int, default=2048)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--scale-search", default="auto", choices=["auto", "full", "fast"])
+    ap.add_argument("--allocation", default="measured", choices=["measured", "heuristic"])
     ap.add_argument("--eval-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--keep", action="store_true", help="keep converted models")
     ap.add_argument("--cuda-graphs", action="store_true",
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     windows = eval_windows(tok, args.eval_text.read_text(encoding="utf-8"), args.windows, args.seqlen)
     ref = load_model(args.model, device=device, dtype=dtype)
     emit({"event": "setup", "device": str(device), "windows": len(windows), "seqlen": args.seqlen,
-          "cuda_graphs": bool(args.cuda_graphs), "cal": [args.cal_rows, args.cal_cols],
+          "cuda_graphs": bool(args.cuda_graphs), "allocation": args.allocation, "cal": [args.cal_rows, args.cal_cols],
           "model": str(args.model), "eval_text": str(args.eval_text)})
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
             shutil.rmtree(out)
         settings = ConvertSettings(in_dir=str(args.model), out_dir=str(out), bits=bits, head_bits=args.head_bits,
                                    codebook=args.codebook, cal_rows=args.cal_rows, cal_cols=args.cal_cols,
-                                   device=str(device), scale_effort=args.scale_search,
+                                   device=str(device), scale_effort=args.scale_search, allocation=args.allocation,
                                    work_dir=str(args.out / f"{bits:.2f}bpw.work"))
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -4,6 +4,7 @@ The job's only state is its working directory:
 
     <work>/job.json                  fixed arguments, input fingerprint, modules done, reports
     <work>/calibration.safetensors   the calibration token ids (so a resume uses the same rows)
+    <work>/allocation.json           K per group (and the measured sensitivities behind it)
     <work>/qtensors/NNNN.safetensors finished modules' output tensors (+ storage metadata)
 
 Each file is written to a temporary name, fsynced and renamed, so kill -9 at any moment leaves
@@ -12,6 +13,11 @@ recomputed by running the calibration rows through the finished (quantized) modu
 cheap next to quantizing and reproduces them bit for bit, so a resumed job writes the same bytes
 as an uninterrupted one. The output folder is assembled under a temporary name and renamed into
 place last.
+
+Before the first module, the bits are allocated: K per group of linears (q/k/v, o, gate/up,
+down), either from sensitivities measured on the unquantized model (engine.quantize.sensitivity,
+the default) or by the reference's fixed heuristic. The result is stored once, so a resumed job
+never re-measures once it has started quantizing.
 
 Modules are processed in model order: embedding, every decoder layer (capture input Hessians
 with the unquantized layer on the already-quantized stream, quantize its linears, swap the
@@ -34,14 +40,17 @@ from engine.errors import TrellisError
 from engine.formats.exl3 import EXL3Tensors, pad_to_128
 from engine.io.hf_config import load_model_config
 from engine.io.safetensors_io import TensorStore, write_safetensors
-from engine.quantize.allocation import QGroup, allocate_bits, average_bits
+from engine.quantize.allocation import QGroup, allocate_bits, allocate_measured, average_bits
 from engine.quantize.block_runner import DECODER_SLOTS, LAYER_NORMS, ModelRunner
-from engine.quantize.calibration import build_calibration
+from engine.quantize.calibration import build_calibration, text_rows
 from engine.quantize.hessian import HessianAccumulator
 from engine.quantize.linear import LinearSpec, QuantizedLinear, quantize_linears
+from engine.quantize.sensitivity import (SAMPLE, HessianStream, decoder_groups, free_bytes, measure_sensitivities,
+                                         measurement_bytes, probe_mse)
 
 JOB_VERSION = 1
 CODEBOOKS = ("mul1", "mcg", "3inst")
+ALLOCATIONS = ("measured", "heuristic")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 NUM_REF_ROWS = 5
 QUANTIZER_VERSION = "1.4.1"  # format version we write (tools read `version` as exllamav3's)
@@ -80,9 +89,10 @@ class ConvertSettings:
     shard_mb: float = 8192
     keep_work: bool = False
     sequential: str = "module"         # "module": all Hessians from one pass (reference); "linear": true sequential
+    allocation: str = "measured"       # "measured": K per group from measured sensitivities; "heuristic": spec 5.10
 
     FIXED = ("bits", "head_bits", "codebook", "cal_rows", "cal_cols", "seed", "calibration", "scale_effort",
-             "sequential")
+             "sequential", "allocation")
 
     def fixed(self) -> dict:
         return {k: getattr(self, k) for k in self.FIXED}
@@ -92,9 +102,9 @@ class ConvertSettings:
 class ProgressEvent:
     """What the wizard shows: stage, module i of n, ETA."""
 
-    stage: str                 # "start" | "module" | "compile" | "done"
-    index: int                 # modules finished
-    total: int
+    stage: str                 # "start" | "measure" | "module" | "compile" | "done"
+    index: int                 # modules finished ("measure": groups measured)
+    total: int                 # modules ("measure": groups)
     module: str = ""
     elapsed_s: float = 0.0
     eta_s: float | None = None
@@ -203,6 +213,8 @@ class ConversionJob:
             raise ConversionError(f"codebook must be one of {', '.join(CODEBOOKS)} (got {s.codebook})")
         if s.cal_rows < 1 or s.cal_cols < 16:
             raise ConversionError(f"calibration must be at least 1 row of 16 tokens (got {s.cal_rows} x {s.cal_cols})")
+        if s.allocation not in ALLOCATIONS:
+            raise ConversionError(f"allocation must be measured or heuristic (got {s.allocation})")
         if s.sequential not in ("module", "linear"):
             raise ConversionError(f"sequential must be module or linear (got {s.sequential})")
         if s.scale_effort not in ("auto", "full", "fast"):
@@ -314,7 +326,7 @@ class ConversionJob:
             raise ConversionError(f"device {d} requested but CUDA is not available")
         return dev
 
-    def _plan(self, store: TensorStore) -> tuple[list[_Module], dict[str, int], float]:
+    def _plan(self, store: TensorStore) -> tuple[list[_Module], list[QGroup]]:
         c = self.config
         prefix = self.layout.prefix
         mods = [_Module("embed", f"{prefix}embed_tokens")]
@@ -340,8 +352,80 @@ class ConversionJob:
         mods.append(_Module("norm", f"{prefix}norm"))
         head_numel = 0 if self.s.head_bits == 16 else pad_to_128(c.hidden_size) * pad_to_128(c.vocab_size)
         mods.append(_Module("head", self.layout.head_key, numel=head_numel))
-        bits = allocate_bits(groups, float(self.s.bits), c.num_layers)
-        return mods, bits, average_bits(groups, bits)
+        return mods, groups
+
+    # -- bit allocation -----------------------------------------------------------------------
+
+    def _allocate(self, groups: list[QGroup], runner: ModelRunner, ids: torch.Tensor, device) -> dict[str, int]:
+        """K per group, computed once per job and stored in allocation.json (a resume reuses it;
+        a job killed before it was written measures again, which is deterministic)."""
+        path = self.work / "allocation.json"
+        names = {g.name for g in groups}
+        if self.existing and path.exists():
+            try:
+                saved = json.loads(path.read_text())
+                if set(saved["bits"]) == names:
+                    return {g.name: int(saved["bits"][g.name]) for g in groups}
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # torn or foreign: allocate again
+        record: dict = {"allocation": self.s.allocation, "target_bits": self.s.bits}
+        bits = None
+        if self.s.allocation == "measured":
+            bits = self._measured_bits(groups, runner, ids, device, record)
+        if bits is None:
+            bits = allocate_bits(groups, float(self.s.bits), self.config.num_layers)
+            record["used"] = "heuristic"
+        record["average_bits"] = round(average_bits(groups, bits), 4)
+        record["bits"] = {g.name: bits[g.name] for g in groups}
+        _write_json_atomic(path, record)
+        return bits
+
+    def _measured_bits(self, groups, runner, ids, device, record: dict) -> dict[str, int] | None:
+        """Sensitivities on the unquantized model (engine.quantize.sensitivity), then the
+        allocation that minimizes their predicted KLD; None (heuristic) when it cannot run."""
+        c = self.config
+        rows, tokens = SAMPLE["cuda" if device.type == "cuda" else "cpu"]
+        sample = text_rows(ids, rows, min(tokens, ids.shape[1]))
+        need = measurement_bytes(c.num_layers, c.hidden_size, c.vocab_size, sample.numel())
+        need += 0 if self._state_device(device) != device else ids.numel() * c.hidden_size * 4
+        if need > free_bytes(device) // 2:
+            self.log(f"bit allocation: measuring sensitivities needs about {need / 1e9:.1f} GB more than the "
+                     f"{device.type} has free; using the heuristic allocation instead")
+            record["fallback"] = "not enough memory"
+            return None
+        sgroups = decoder_groups([f"{self.layout.prefix}layers.{i}" for i in range(c.num_layers)])
+        t0 = time.time()
+
+        def on_progress(done: int, total: int, name: str) -> None:
+            el = time.time() - t0
+            self.progress(ProgressEvent("measure", done, total, "", round(el, 2), round(el / done * (total - done), 1)))
+
+        self.progress(ProgressEvent("measure", 0, len(sgroups)))
+        try:
+            stream = HessianStream(runner, ids, self._chunks(ids.shape[0], device), self._state_device(device))
+            sens = measure_sensitivities(runner, sample, sgroups, probe_mse(float(self.s.bits)), self.s.seed,
+                                         hessians=stream, progress=on_progress)
+        except torch.OutOfMemoryError:
+            self.log("bit allocation: out of memory while measuring sensitivities; using the heuristic allocation")
+            record["fallback"] = "out of memory"
+            return None
+        finally:
+            stream = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        seconds = time.time() - t0
+        bad = [k for k, v in sens.items() if not (v == v and abs(v) != float("inf"))]
+        if bad:
+            self.log(f"bit allocation: non-finite sensitivity for {bad[0]}; using the heuristic allocation")
+            record["fallback"] = "non-finite sensitivity"
+            return None
+        bits = allocate_measured(groups, sens, float(self.s.bits))
+        hist = {k: sum(1 for v in bits.values() if v == k) for k in sorted(set(bits.values()))}
+        self.log(f"bit allocation: sensitivities of {len(sgroups)} groups measured in {seconds:.1f} s on "
+                 f"{sample.shape[0]} x {sample.shape[1]} tokens; groups per K: {hist}")
+        record.update({"used": "measured", "seconds": round(seconds, 3), "sample": list(sample.shape),
+                       "probe_mse": probe_mse(float(self.s.bits)), "sensitivity": sens})
+        return bits
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -361,7 +445,7 @@ class ConversionJob:
         try:
             try:
                 self.layout = find_layout(store, self.config.architecture)
-                modules, bits, avg_bits = self._plan(store)
+                modules, groups = self._plan(store)
                 tokenizer = Tokenizer.from_dir(self.in_dir)
                 model = load_model(self.in_dir, device=device, dtype=torch.float32)
                 ids = self._saved_calibration()
@@ -383,6 +467,8 @@ class ConversionJob:
             runner = ModelRunner(model)
             prior_seconds = job.get("seconds", 0.0)
             self.progress(ProgressEvent("start", job["done"], len(modules), elapsed_s=prior_seconds))
+            bits = self._allocate(groups, runner, ids, device)
+            avg_bits = average_bits(groups, bits)
             states = None
             run_start = time.time()
             for idx, mod in enumerate(modules):

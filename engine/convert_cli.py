@@ -24,6 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for signs and random calibration rows (default 0)")
     p.add_argument("--scale-search", default="auto", choices=["auto", "full", "fast"],
                    help="global scale search effort (auto: full on CUDA, fast on CPU)")
+    p.add_argument("--allocation", default="measured", choices=["measured", "heuristic"],
+                   help="bits per group of linears: measured (from each group's measured effect on the output, "
+                        "default) or heuristic (the reference's fixed order)")
     p.add_argument("--shard-mb", type=float, default=8192, help="output shard size in MB (default 8192)")
     p.add_argument("--keep-work", action="store_true", help="keep the working folder after success")
     p.add_argument("--progress-json", action="store_true", help="print progress as JSON lines on stdout")
@@ -39,12 +42,14 @@ def run(args) -> int:
         work_dir=str(args.work_dir) if args.work_dir else None, codebook=args.codebook,
         cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=args.device, seed=args.seed,
         calibration=str(args.calibration) if args.calibration else None, scale_effort=args.scale_search,
-        shard_mb=args.shard_mb, keep_work=args.keep_work,
+        shard_mb=args.shard_mb, keep_work=args.keep_work, allocation=args.allocation,
     )
 
     def on_progress(e) -> None:
         if args.progress_json:
             print(e.to_json(), flush=True)
+        elif not args.quiet and e.stage == "measure" and e.total and e.index == e.total:
+            print(f"[measure] sensitivities of {e.total} groups measured ({e.elapsed_s:.0f} s)", file=sys.stderr, flush=True)
         elif not args.quiet and e.stage == "module":
             eta = f", ETA {e.eta_s:.0f} s" if e.eta_s is not None else ""
             print(f"[{e.index}/{e.total}] {e.module} done ({e.elapsed_s:.0f} s{eta})", file=sys.stderr, flush=True)

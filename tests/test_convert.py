@@ -226,6 +226,54 @@ def test_micro_output_loads_and_has_padded_layout(micro, tmp_path):
     assert rel < 0.2
 
 
+@pytest.mark.slow
+def test_measured_allocation_is_stored_and_recorded_per_tensor(micro, tmp_path):
+    """allocation.json holds the sensitivities and K per group; every tensor's K in the output's
+    quantization_config follows it; the average stays within the budget."""
+    from engine.quantize.allocation import allocate_bits
+    work = tmp_path / "o.work"
+    events = []
+    ConversionJob(_settings(micro, tmp_path / "o", bits=3.5, keep_work=True, work_dir=str(work)),
+                  progress=events.append).run()
+    alloc = json.loads((work / "allocation.json").read_text())
+    assert alloc["allocation"] == alloc["used"] == "measured"
+    groups = ["model.layers.0.qkv", "model.layers.0.o", "model.layers.0.gu", "model.layers.0.d"]
+    assert list(alloc["bits"]) == groups and list(alloc["sensitivity"]) == groups
+    assert all(0 < v < float("inf") for v in alloc["sensitivity"].values())
+    assert len(set(alloc["bits"].values())) > 1  # 3.5 bpw over four groups: mixed K
+    qc = json.loads((tmp_path / "o" / "quantization_config.json").read_text())
+    group_of = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "up_proj": "gu", "gate_proj": "gu",
+                "down_proj": "d"}
+    for leaf, g in group_of.items():
+        key = next(k for k in qc["tensor_storage"] if k.endswith(leaf))
+        assert qc["tensor_storage"][key]["bits_per_weight"] == alloc["bits"][f"model.layers.0.{g}"], leaf
+    assert qc["tensor_storage"]["lm_head"]["bits_per_weight"] == 6
+    assert qc["bits"] == round(alloc["average_bits"], 2) and alloc["average_bits"] <= 3.5
+    measure = [e for e in events if e.stage == "measure"]
+    assert measure[0].index == 0 and measure[-1].index == measure[-1].total == 4
+    assert [e.stage for e in events].index("measure") > [e.stage for e in events].index("start")
+
+    # the heuristic is still there, and it is what the reference would do
+    ConversionJob(_settings(micro, tmp_path / "h", bits=3.5, keep_work=True, work_dir=str(tmp_path / "h.work"),
+                            allocation="heuristic")).run()
+    alloc_h = json.loads((tmp_path / "h.work" / "allocation.json").read_text())
+    job = ConversionJob(_settings(micro, tmp_path / "x"))
+    job.validate()
+    from engine.models import find_layout
+    from engine.io.safetensors_io import TensorStore
+    store = TensorStore(micro)
+    job.layout = find_layout(store, job.config.architecture)
+    _, qgroups = job._plan(store)
+    store.close()
+    assert alloc_h["used"] == "heuristic" and "sensitivity" not in alloc_h
+    assert alloc_h["bits"] == allocate_bits(qgroups, 3.5, 1)
+
+
+def test_allocation_setting_is_checked_and_fixed(micro, tmp_path):
+    _fails(_settings(micro, tmp_path / "o", allocation="greedy"), "allocation must be measured or heuristic")
+    assert "allocation" in ConvertSettings.FIXED
+
+
 # ------------------------------------------------------------------------------------------ fixtures
 
 
@@ -252,9 +300,10 @@ def test_fixture_conversion_matches_reference_layout_and_quality(ref_fixtures, t
     ref_dir = ref_fixtures / "exl3" / tag
     ref_qc = json.loads((ref_dir / "quantization_config.json").read_text())
     out = tmp_path / tag
+    # the reference's own (heuristic) allocation, so that every tensor's K can be compared
     s = ConvertSettings(in_dir=str(ref_fixtures / "hf" / arch), out_dir=str(out), bits=ref_qc["bits"],
                         head_bits=ref_qc["head_bits"], codebook=ref_qc["codebook"], cal_rows=16, cal_cols=128,
-                        device="cpu")
+                        device="cpu", allocation="heuristic")
     ConversionJob(s).run()
     qc = json.loads((out / "quantization_config.json").read_text())
     assert _storage_layout(qc) == _storage_layout(ref_qc)

@@ -600,6 +600,11 @@ class RunPage(QWizardPage):
 
     # -- conversion
     def _progress(self, p: ConvertProgress) -> None:
+        if p.stage == "measure":
+            # Before the first module: how much each group of layers affects the output (bit allocation).
+            self.stage.setText("Measuring layer sensitivities")
+            self.message.setText("Deciding how many bits each group of layers gets…")
+            return
         if p.fraction is not None:
             self.bar.setValue(int(p.fraction * 1000))
         if p.stage == "start" and p.index:

@@ -87,13 +87,31 @@ def _stream_rows(tokenizer, text: str, n_rows: int, cols: int) -> list[list[int]
     return [ids[i * step: i * step + cols] for i in range(n_rows)]
 
 
+def random_row_count(rows: int) -> int:
+    """How many of `rows` calibration rows are uniformly random token ids (they come last)."""
+    return max(1, round(rows * 0.2)) if rows >= 3 else 0
+
+
+def text_row_indices(rows: int, n: int) -> list[int]:
+    """Up to n of the text rows (no random-token rows) among `rows` calibration rows, spread
+    evenly over the prose and code parts."""
+    n_text = rows - random_row_count(rows) or rows
+    n = max(1, min(n, n_text))
+    return [(i * n_text) // n for i in range(n)]
+
+
+def text_rows(ids: torch.Tensor, n: int, tokens: int) -> torch.Tensor:
+    """text_row_indices' rows cut to their first `tokens` tokens: a small, representative sample."""
+    return ids[text_row_indices(ids.shape[0], n), :tokens].contiguous()
+
+
 def build_calibration(tokenizer, vocab_size: int, rows: int, cols: int, seed: int = 0,
                       source: str | Path | None = None) -> torch.Tensor:
     """Token ids [rows, cols] (int64), deterministic for a given tokenizer, corpus and seed."""
     if rows < 1 or cols < 16:
         raise ConfigError(f"calibration needs at least 1 row of 16 tokens (got {rows} x {cols})")
     rng = random.Random(seed)
-    n_random = max(1, round(rows * 0.2)) if rows >= 3 else 0
+    n_random = random_row_count(rows)
     n_text = rows - n_random
     if source is not None:
         text_rows = _article_rows(tokenizer, _user_articles(Path(source)), n_text, cols, rng)
