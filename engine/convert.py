@@ -4,7 +4,7 @@ The job's only state is its working directory:
 
     <work>/job.json                  fixed arguments, input fingerprint, modules done, reports
     <work>/calibration.safetensors   the calibration token ids (so a resume uses the same rows)
-    <work>/allocation.json           K per group (and the measured sensitivities behind it)
+    <work>/allocation.json           K per linear (and the measured sensitivities behind it)
     <work>/qtensors/NNNN.safetensors finished modules' output tensors (+ storage metadata)
 
 Each file is written to a temporary name, fsynced and renamed, so kill -9 at any moment leaves
@@ -14,10 +14,10 @@ cheap next to quantizing and reproduces them bit for bit, so a resumed job write
 as an uninterrupted one. The output folder is assembled under a temporary name and renamed into
 place last.
 
-Before the first module, the bits are allocated: K per group of linears (q/k/v, o, gate/up,
-down), either from sensitivities measured on the unquantized model (engine.quantize.sensitivity,
-the default) or by the reference's fixed heuristic. The result is stored once, so a resumed job
-never re-measures once it has started quantizing.
+Before the first module, the bits are allocated: an integer K for every linear, either from
+sensitivities measured on the unquantized model, one per linear (engine.quantize.sensitivity,
+the default), or by the reference's fixed heuristic, one K per group (q/k/v, o, gate/up, down).
+The result is stored once, so a resumed job never re-measures once it has started quantizing.
 
 Modules are processed in model order: embedding, every decoder layer (capture input Hessians
 with the unquantized layer on the already-quantized stream, quantize its linears, swap the
@@ -40,13 +40,13 @@ from engine.errors import TrellisError
 from engine.formats.exl3 import EXL3Tensors, pad_to_128
 from engine.io.hf_config import load_model_config
 from engine.io.safetensors_io import TensorStore, write_safetensors
-from engine.quantize.allocation import QGroup, allocate_bits, allocate_measured, average_bits
+from engine.quantize.allocation import QGroup, allocate_bits, allocate_measured, average_bits, measured_k_range
 from engine.quantize.block_runner import DECODER_SLOTS, LAYER_NORMS, ModelRunner
 from engine.quantize.calibration import build_calibration, text_rows
 from engine.quantize.hessian import HessianAccumulator
 from engine.quantize.linear import LinearSpec, QuantizedLinear, quantize_linears
-from engine.quantize.sensitivity import (SAMPLE, HessianStream, decoder_groups, free_bytes, measure_sensitivities,
-                                         measurement_bytes, probe_mse)
+from engine.quantize.sensitivity import (SAMPLE, HessianStream, decoder_groups, free_bytes, hessian_rows,
+                                         measure_sensitivities, measurement_bytes, probe_mse)
 
 JOB_VERSION = 1
 CODEBOOKS = ("mul1", "mcg", "3inst")
@@ -89,7 +89,7 @@ class ConvertSettings:
     shard_mb: float = 8192
     keep_work: bool = False
     sequential: str = "module"         # "module": all Hessians from one pass (reference); "linear": true sequential
-    allocation: str = "measured"       # "measured": K per group from measured sensitivities; "heuristic": spec 5.10
+    allocation: str = "measured"       # "measured": K per linear from measured sensitivities; "heuristic": spec 5.10
 
     FIXED = ("bits", "head_bits", "codebook", "cal_rows", "cal_cols", "seed", "calibration", "scale_effort",
              "sequential", "allocation")
@@ -103,8 +103,8 @@ class ProgressEvent:
     """What the wizard shows: stage, module i of n, ETA."""
 
     stage: str                 # "start" | "measure" | "module" | "compile" | "done"
-    index: int                 # modules finished ("measure": groups measured)
-    total: int                 # modules ("measure": groups)
+    index: int                 # modules finished ("measure": linears measured)
+    total: int                 # modules ("measure": linears)
     module: str = ""
     elapsed_s: float = 0.0
     eta_s: float | None = None
@@ -326,11 +326,14 @@ class ConversionJob:
             raise ConversionError(f"device {d} requested but CUDA is not available")
         return dev
 
-    def _plan(self, store: TensorStore) -> tuple[list[_Module], list[QGroup]]:
+    def _plan(self, store: TensorStore) -> tuple[list[_Module], list[QGroup], list[QGroup]]:
+        """Modules in order, the heuristic's groups (q/k/v, o, gate/up, down per layer) and the
+        measured allocation's units (every linear on its own, named by its tensor key)."""
         c = self.config
         prefix = self.layout.prefix
         mods = [_Module("embed", f"{prefix}embed_tokens")]
         groups: list[QGroup] = []
+        units: list[QGroup] = []
         order = 0
         for i in range(c.num_layers):
             key = f"{prefix}layers.{i}"
@@ -343,6 +346,7 @@ class ConversionJob:
                 o, n = store.shape(w)
                 sz = pad_to_128(n) * pad_to_128(o)
                 gsize[slot.group] = gsize.get(slot.group, 0) + sz
+                units.append(QGroup(f"{key}.{slot.name}", i, slot.priority, sz, len(units)))
                 numel += sz
             for slot_group in ("qkv", "o", "gu", "d"):
                 prio = 2 if slot_group in ("qkv", "o") else 1
@@ -352,48 +356,56 @@ class ConversionJob:
         mods.append(_Module("norm", f"{prefix}norm"))
         head_numel = 0 if self.s.head_bits == 16 else pad_to_128(c.hidden_size) * pad_to_128(c.vocab_size)
         mods.append(_Module("head", self.layout.head_key, numel=head_numel))
-        return mods, groups
+        return mods, groups, units
 
     # -- bit allocation -----------------------------------------------------------------------
 
-    def _allocate(self, groups: list[QGroup], runner: ModelRunner, ids: torch.Tensor, device) -> dict[str, int]:
-        """K per group, computed once per job and stored in allocation.json (a resume reuses it;
-        a job killed before it was written measures again, which is deterministic)."""
+    def _allocate(self, groups: list[QGroup], units: list[QGroup], runner: ModelRunner, ids: torch.Tensor,
+                  device) -> dict[str, int]:
+        """K per linear (keyed by tensor key), computed once per job and stored in allocation.json
+        (a resume reuses it; a job killed before it was written measures again, which is
+        deterministic)."""
         path = self.work / "allocation.json"
-        names = {g.name for g in groups}
+        names = {u.name for u in units}
         if self.existing and path.exists():
             try:
                 saved = json.loads(path.read_text())
                 if set(saved["bits"]) == names:
-                    return {g.name: int(saved["bits"][g.name]) for g in groups}
+                    return {u.name: int(saved["bits"][u.name]) for u in units}
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # torn or foreign: allocate again
         record: dict = {"allocation": self.s.allocation, "target_bits": self.s.bits}
         bits = None
         if self.s.allocation == "measured":
-            bits = self._measured_bits(groups, runner, ids, device, record)
+            bits = self._measured_bits(units, runner, ids, device, record)
         if bits is None:
-            bits = allocate_bits(groups, float(self.s.bits), self.config.num_layers)
+            per_group = allocate_bits(groups, float(self.s.bits), self.config.num_layers)
+            layers = [f"{self.layout.prefix}layers.{i}" for i in range(self.config.num_layers)]
+            bits = {f"{key}.{slot.name}": per_group[f"{key}.{slot.group}"] for key in layers for slot in DECODER_SLOTS}
             record["used"] = "heuristic"
-        record["average_bits"] = round(average_bits(groups, bits), 4)
-        record["bits"] = {g.name: bits[g.name] for g in groups}
+        record["average_bits"] = round(average_bits(units, bits), 4)
+        record["bits"] = {u.name: bits[u.name] for u in units}
         _write_json_atomic(path, record)
         return bits
 
-    def _measured_bits(self, groups, runner, ids, device, record: dict) -> dict[str, int] | None:
-        """Sensitivities on the unquantized model (engine.quantize.sensitivity), then the
-        allocation that minimizes their predicted KLD; None (heuristic) when it cannot run."""
+    def _measured_bits(self, units, runner, ids, device, record: dict) -> dict[str, int] | None:
+        """Sensitivities of every linear on the unquantized model (engine.quantize.sensitivity),
+        then the allocation that minimizes their predicted KLD; None (heuristic) when it cannot
+        run. Per linear rather than per group: q, k and v (or gate and up) differ several-fold
+        in sensitivity per weight, and the finer choice doubled to tripled the simulated gain
+        on SmolLM2 (bench/alloc_sim.py --per-tensor)."""
         c = self.config
         rows, tokens = SAMPLE["cuda" if device.type == "cuda" else "cpu"]
         sample = text_rows(ids, rows, min(tokens, ids.shape[1]))
+        hrows = hessian_rows(ids)
         need = measurement_bytes(c.num_layers, c.hidden_size, c.vocab_size, sample.numel())
-        need += 0 if self._state_device(device) != device else ids.numel() * c.hidden_size * 4
+        need += 0 if self._state_device(device) != device else hrows.numel() * c.hidden_size * 4
         if need > free_bytes(device) // 2:
             self.log(f"bit allocation: measuring sensitivities needs about {need / 1e9:.1f} GB more than the "
                      f"{device.type} has free; using the heuristic allocation instead")
             record["fallback"] = "not enough memory"
             return None
-        sgroups = decoder_groups([f"{self.layout.prefix}layers.{i}" for i in range(c.num_layers)])
+        sgroups = decoder_groups([f"{self.layout.prefix}layers.{i}" for i in range(c.num_layers)], per_tensor=True)
         t0 = time.time()
 
         def on_progress(done: int, total: int, name: str) -> None:
@@ -402,7 +414,7 @@ class ConversionJob:
 
         self.progress(ProgressEvent("measure", 0, len(sgroups)))
         try:
-            stream = HessianStream(runner, ids, self._chunks(ids.shape[0], device), self._state_device(device))
+            stream = HessianStream(runner, hrows, self._chunks(hrows.shape[0], device), self._state_device(device))
             sens = measure_sensitivities(runner, sample, sgroups, probe_mse(float(self.s.bits)), self.s.seed,
                                          hessians=stream, progress=on_progress)
         except torch.OutOfMemoryError:
@@ -419,12 +431,13 @@ class ConversionJob:
             self.log(f"bit allocation: non-finite sensitivity for {bad[0]}; using the heuristic allocation")
             record["fallback"] = "non-finite sensitivity"
             return None
-        bits = allocate_measured(groups, sens, float(self.s.bits))
+        k_min, k_max = measured_k_range(float(self.s.bits))
+        bits = allocate_measured(units, sens, float(self.s.bits), k_min, k_max)
         hist = {k: sum(1 for v in bits.values() if v == k) for k in sorted(set(bits.values()))}
-        self.log(f"bit allocation: sensitivities of {len(sgroups)} groups measured in {seconds:.1f} s on "
-                 f"{sample.shape[0]} x {sample.shape[1]} tokens; groups per K: {hist}")
+        self.log(f"bit allocation: sensitivities of {len(sgroups)} linears measured in {seconds:.1f} s on "
+                 f"{sample.shape[0]} x {sample.shape[1]} tokens; linears per K: {hist}")
         record.update({"used": "measured", "seconds": round(seconds, 3), "sample": list(sample.shape),
-                       "probe_mse": probe_mse(float(self.s.bits)), "sensitivity": sens})
+                       "probe_mse": probe_mse(float(self.s.bits)), "k_range": [k_min, k_max], "sensitivity": sens})
         return bits
 
     # -- run ----------------------------------------------------------------------------------
@@ -445,7 +458,7 @@ class ConversionJob:
         try:
             try:
                 self.layout = find_layout(store, self.config.architecture)
-                modules, groups = self._plan(store)
+                modules, groups, units = self._plan(store)
                 tokenizer = Tokenizer.from_dir(self.in_dir)
                 model = load_model(self.in_dir, device=device, dtype=torch.float32)
                 ids = self._saved_calibration()
@@ -467,8 +480,8 @@ class ConversionJob:
             runner = ModelRunner(model)
             prior_seconds = job.get("seconds", 0.0)
             self.progress(ProgressEvent("start", job["done"], len(modules), elapsed_s=prior_seconds))
-            bits = self._allocate(groups, runner, ids, device)
-            avg_bits = average_bits(groups, bits)
+            bits = self._allocate(groups, units, runner, ids, device)
+            avg_bits = average_bits(units, bits)
             states = None
             run_start = time.time()
             for idx, mod in enumerate(modules):
@@ -599,7 +612,7 @@ class ConversionJob:
             key = f"{mod.key}.{slot.name}"
             w = self._src(store, f"{key}.weight")
             b = self._src(store, f"{key}.bias") if f"{key}.bias" in store else None
-            specs.append(LinearSpec(key, w, bits[f"{mod.key}.{slot.group}"], slot.qmap, b))
+            specs.append(LinearSpec(key, w, bits[key], slot.qmap, b))
         qmaps = list(dict.fromkeys(slot.qmap for slot in DECODER_SLOTS))
         stages = [qmaps] if self.s.sequential == "module" else [[q] for q in qmaps]
         by_key = {}

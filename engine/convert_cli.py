@@ -25,8 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--scale-search", default="auto", choices=["auto", "full", "fast"],
                    help="global scale search effort (auto: full on CUDA, fast on CPU)")
     p.add_argument("--allocation", default="measured", choices=["measured", "heuristic"],
-                   help="bits per group of linears: measured (from each group's measured effect on the output, "
-                        "default) or heuristic (the reference's fixed order)")
+                   help="how the bpw budget is spread: measured (K per linear from its measured effect on the "
+                        "output, default) or heuristic (the reference's fixed order, K per group of linears)")
     p.add_argument("--shard-mb", type=float, default=8192, help="output shard size in MB (default 8192)")
     p.add_argument("--keep-work", action="store_true", help="keep the working folder after success")
     p.add_argument("--progress-json", action="store_true", help="print progress as JSON lines on stdout")
@@ -49,7 +49,7 @@ def run(args) -> int:
         if args.progress_json:
             print(e.to_json(), flush=True)
         elif not args.quiet and e.stage == "measure" and e.total and e.index == e.total:
-            print(f"[measure] sensitivities of {e.total} groups measured ({e.elapsed_s:.0f} s)", file=sys.stderr, flush=True)
+            print(f"[measure] sensitivities of {e.total} linears measured ({e.elapsed_s:.0f} s)", file=sys.stderr, flush=True)
         elif not args.quiet and e.stage == "module":
             eta = f", ETA {e.eta_s:.0f} s" if e.eta_s is not None else ""
             print(f"[{e.index}/{e.total}] {e.module} done ({e.elapsed_s:.0f} s{eta})", file=sys.stderr, flush=True)

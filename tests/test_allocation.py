@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.quantize.allocation import CODEBOOK_MSE, QGroup, allocate_bits, allocate_measured, average_bits
+from engine.quantize.allocation import (CODEBOOK_MSE, QGroup, allocate_bits, allocate_measured, average_bits,
+                                       measured_k_range)
 from engine.quantize.hessian import HessianAccumulator
 
 
@@ -60,6 +61,17 @@ def test_measured_allocation_prefers_sensitive_groups():
     for a, b in itertools.combinations(groups, 2):
         if a.numel == b.numel and sens[a.name] > sens[b.name]:
             assert bits[a.name] >= bits[b.name], (a.name, b.name)
+
+
+def test_measured_k_range_keeps_one_step_around_the_target():
+    assert [measured_k_range(b) for b in (1.0, 2.0, 2.5, 4.0, 4.6, 8.0)] == [(1, 2), (1, 3), (1, 4), (3, 5), (3, 6), (7, 8)]
+    groups = _llama_groups(4, 256, 768, 256, 128)
+    sens = {g.name: float(g.numel) for g in groups}
+    sens["model.layers.0.d"] *= 1e6
+    sens["model.layers.2.o"] /= 1e6
+    bits = allocate_measured(groups, sens, 4.0, *measured_k_range(4.0))
+    assert bits["model.layers.0.d"] == 5 and bits["model.layers.2.o"] == 3  # unbounded: 8 and 1
+    assert set(bits.values()) <= {3, 4, 5} and average_bits(groups, bits) <= 4.0
 
 
 def test_measured_allocation_is_deterministic_with_ties():
@@ -199,6 +211,18 @@ def test_sensitivities_are_positive_finite_deterministic_and_leave_the_model_alo
     assert all(big > 5 * v for k, v in s4.items() if k not in ("model.layers.0.gu", "model.layers.0.d")), s4
 
 
+def test_per_linear_sensitivities_cover_every_linear(tmp_path):
+    from engine.models import load_model
+    from engine.quantize.block_runner import DECODER_SLOTS, ModelRunner
+    from engine.quantize.sensitivity import decoder_groups, measure_sensitivities
+    runner = ModelRunner(load_model(_tiny_llama(tmp_path / "m", layers=1), dtype=torch.float32))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    groups = decoder_groups(["model.layers.0"], per_tensor=True)
+    assert [g.name for g in groups] == [f"model.layers.0.{s.name}" for s in DECODER_SLOTS]
+    s = measure_sensitivities(runner, ids, groups, CODEBOOK_MSE[3])  # Hessians from the sample itself
+    assert list(s) == [g.name for g in groups] and all(0 < v < float("inf") for v in s.values())
+
+
 def test_hessian_stream_matches_a_direct_capture(tmp_path):
     from engine.models import load_model
     from engine.quantize.block_runner import DECODER_SLOTS, ModelRunner
@@ -215,3 +239,11 @@ def test_hessian_stream_matches_a_direct_capture(tmp_path):
         assert torch.allclose(h1[q], want[q], rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError):
         stream(0)
+
+
+def test_hessian_rows_are_spread_and_capped():
+    from engine.quantize.sensitivity import hessian_rows
+    ids = torch.arange(250 * 2048).reshape(250, 2048)
+    h = hessian_rows(ids)
+    assert h.numel() <= 1 << 17 and h.shape[0] == 63 and torch.equal(h[1], ids[4])
+    assert torch.equal(hessian_rows(ids[:6, :64]), ids[:6, :64])

@@ -209,14 +209,15 @@ def test_micro_output_loads_and_has_padded_layout(micro, tmp_path):
     qc = json.loads((out / "quantization_config.json").read_text())
     ts = qc["tensor_storage"]
     st = ts["model.layers.0.self_attn.k_proj"]["stored_tensors"]
-    assert st["model.layers.0.self_attn.k_proj.trellis"]["shape"] == [8, 8, 48]  # 96 → 128 in, 48 → 128 out
+    K = ts["model.layers.0.self_attn.k_proj"]["bits_per_weight"]
+    assert st["model.layers.0.self_attn.k_proj.trellis"]["shape"] == [8, 8, 16 * K]  # 96 → 128 in, 48 → 128 out
     assert st["model.layers.0.self_attn.k_proj.suh"]["shape"] == [128]
     assert st["model.layers.0.self_attn.k_proj.bias"] == {"shape": [128], "n_bytes": 256, "dtype": "torch.float16"}
     assert ts["model.embed_tokens"]["stored_tensors"]["model.embed_tokens.weight"]["shape"] == [512, 96]
     assert ts["model.norm"]["stored_tensors"]["model.norm.weight"]["dtype"] == "torch.bfloat16"
     assert ts["lm_head"]["stored_tensors"] == {"lm_head.weight": {"shape": [512, 128], "n_bytes": 131072, "dtype": "torch.float16"}}
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["bits"] == 3.0 and cfg["quantization_config"]["head_bits"] == 16
+    assert 2.9 <= cfg["quantization_config"]["bits"] <= 3.0 and cfg["quantization_config"]["head_bits"] == 16
     assert (out / "tokenizer.json").read_bytes() == (micro / "tokenizer.json").read_bytes()
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
     q, f = load_model(out), load_model(micro)
@@ -228,45 +229,46 @@ def test_micro_output_loads_and_has_padded_layout(micro, tmp_path):
 
 @pytest.mark.slow
 def test_measured_allocation_is_stored_and_recorded_per_tensor(micro, tmp_path):
-    """allocation.json holds the sensitivities and K per group; every tensor's K in the output's
-    quantization_config follows it; the average stays within the budget."""
+    """allocation.json holds the sensitivities and K of every linear; each tensor's K in the
+    output's quantization_config follows it; the average stays within the budget."""
     from engine.quantize.allocation import allocate_bits
+    from engine.quantize.block_runner import DECODER_SLOTS
     work = tmp_path / "o.work"
     events = []
     ConversionJob(_settings(micro, tmp_path / "o", bits=3.5, keep_work=True, work_dir=str(work)),
                   progress=events.append).run()
     alloc = json.loads((work / "allocation.json").read_text())
     assert alloc["allocation"] == alloc["used"] == "measured"
-    groups = ["model.layers.0.qkv", "model.layers.0.o", "model.layers.0.gu", "model.layers.0.d"]
-    assert list(alloc["bits"]) == groups and list(alloc["sensitivity"]) == groups
+    keys = [f"model.layers.0.{slot.name}" for slot in DECODER_SLOTS]
+    assert list(alloc["bits"]) == keys and list(alloc["sensitivity"]) == keys
     assert all(0 < v < float("inf") for v in alloc["sensitivity"].values())
-    assert len(set(alloc["bits"].values())) > 1  # 3.5 bpw over four groups: mixed K
+    assert len(set(alloc["bits"].values())) > 1  # 3.5 bpw: mixed K
     qc = json.loads((tmp_path / "o" / "quantization_config.json").read_text())
-    group_of = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "up_proj": "gu", "gate_proj": "gu",
-                "down_proj": "d"}
-    for leaf, g in group_of.items():
-        key = next(k for k in qc["tensor_storage"] if k.endswith(leaf))
-        assert qc["tensor_storage"][key]["bits_per_weight"] == alloc["bits"][f"model.layers.0.{g}"], leaf
+    for key in keys:
+        assert qc["tensor_storage"][key]["bits_per_weight"] == alloc["bits"][key], key
     assert qc["tensor_storage"]["lm_head"]["bits_per_weight"] == 6
     assert qc["bits"] == round(alloc["average_bits"], 2) and alloc["average_bits"] <= 3.5
     measure = [e for e in events if e.stage == "measure"]
-    assert measure[0].index == 0 and measure[-1].index == measure[-1].total == 4
+    assert measure[0].index == 0 and measure[-1].index == measure[-1].total == len(keys)
     assert [e.stage for e in events].index("measure") > [e.stage for e in events].index("start")
 
-    # the heuristic is still there, and it is what the reference would do
+    # the heuristic is still there: one K per group, what the reference would do
     ConversionJob(_settings(micro, tmp_path / "h", bits=3.5, keep_work=True, work_dir=str(tmp_path / "h.work"),
                             allocation="heuristic")).run()
     alloc_h = json.loads((tmp_path / "h.work" / "allocation.json").read_text())
     job = ConversionJob(_settings(micro, tmp_path / "x"))
     job.validate()
-    from engine.models import find_layout
     from engine.io.safetensors_io import TensorStore
+    from engine.models import find_layout
     store = TensorStore(micro)
     job.layout = find_layout(store, job.config.architecture)
-    _, qgroups = job._plan(store)
+    _, groups, _ = job._plan(store)
     store.close()
+    want = allocate_bits(groups, 3.5, 1)
     assert alloc_h["used"] == "heuristic" and "sensitivity" not in alloc_h
-    assert alloc_h["bits"] == allocate_bits(qgroups, 3.5, 1)
+    assert alloc_h["bits"] == {f"model.layers.0.{s.name}": want[f"model.layers.0.{s.group}"] for s in DECODER_SLOTS}
+    qc_h = json.loads((tmp_path / "h" / "quantization_config.json").read_text())
+    assert all(qc_h["tensor_storage"][k]["bits_per_weight"] == v for k, v in alloc_h["bits"].items())
 
 
 def test_allocation_setting_is_checked_and_fixed(micro, tmp_path):
@@ -314,6 +316,19 @@ def test_fixture_conversion_matches_reference_layout_and_quality(ref_fixtures, t
     ours = _rel_logit_error(out, arch, ref_fixtures)
     theirs = _rel_logit_error(ref_dir, arch, ref_fixtures)
     assert ours <= 1.10 * theirs, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_measured_allocation_beats_the_heuristic_on_a_fixture(ref_fixtures, tmp_path):
+    """Real quantization, not a simulation: at the same bits the measured allocation ends closer
+    to the unquantized logits than the reference's heuristic (0.37 vs 0.42 relative error)."""
+    errors = {}
+    for alloc in ("heuristic", "measured"):
+        out = tmp_path / alloc
+        ConversionJob(ConvertSettings(in_dir=str(ref_fixtures / "hf" / "llama"), out_dir=str(out), bits=2.5, head_bits=4,
+                                      codebook="mcg", cal_rows=16, cal_cols=128, device="cpu", allocation=alloc)).run()
+        errors[alloc] = _rel_logit_error(out, "llama", ref_fixtures)
+    assert errors["measured"] < errors["heuristic"], errors
 
 
 def test_multimodal_output_names_follow_exllamav3(tmp_path):

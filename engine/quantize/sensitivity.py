@@ -1,10 +1,11 @@
-"""Measured sensitivity of a model's output to quantization error, per bit-allocation group.
+"""Measured sensitivity of a model's output to quantization error, per allocation unit.
 
-Why: a fixed bpw is best spent where the output cares most. For every group g (q/k/v, o,
-gate/up, down of one layer) we estimate s_g, the growth of the output KL divergence per unit
-of codebook relative MSE, so that quantizing g at K bits costs about s_g·D(K) (D: the
-codebook's relative MSE, engine.quantize.allocation.CODEBOOK_MSE) and the allocator can trade
-bits between groups (allocation.allocate_measured).
+Why: a fixed bpw is best spent where the output cares most. For every unit g that gets one K
+(the converter uses single linears; groups of linears such as q/k/v work the same way) we
+estimate s_g, the growth of the output KL divergence per unit of codebook relative MSE, so that
+quantizing g at K bits costs about s_g·D(K) (D: the codebook's relative MSE,
+engine.quantize.allocation.CODEBOOK_MSE) and the allocator can trade bits between units
+(allocation.allocate_measured).
 
 How: on the unquantized model, perturb one group at a time with noise shaped like the
 quantizer's own error at a probe level D_probe, run the calibration rows to the logits and
@@ -20,7 +21,7 @@ s_g predictive of the real converter (engine.quantize.linear):
   the input Hessian H: with H' = (I + L̃)·D·(I + L̃)ᵀ (block LDL) the error is
   Δ = (I + L̃ᵀ)⁻¹·η for i.i.d. η. Groups whose inputs are very anisotropic gain much more from
   LDLQ than others, and plain noise would misjudge them.
-H comes from the whole calibration set on the clean model (HessianStream), as good as the
+H comes from 128k calibration tokens on the clean model (HessianStream), about as good as the
 converter's own. Against the real quantizer on SmolLM2 layers, this noise gives output errors
 tr(EHEᵀ) within 1.2-1.7x of the real ones (the trellis does a little worse than D(K) on real,
 slightly heavy-tailed weights), where i.i.d. noise of the same norm is 6-10x off and varies far
@@ -28,9 +29,10 @@ more between tensors. All randomness is seeded per tensor, so the measurement is
 on a given device.
 
 Measured sensitivities are slopes of a first-order model: the KLDs of perturbations in
-different groups add up (checked by bench/alloc_sim.py, where the sum predicts the joint KLD
-on the same rows within ~10%), but they are taken on calibration text, not the text the model
-will see.
+different units add up (bench/alloc_sim.py: on SmolLM2 the sum is within 10% of the joint KLD
+on the same rows at 3-5 bpw, 20% at 2 bpw, where everything perturbed at once interacts), and
+they are taken on calibration text, not on the text the model will later see; the gain on held-out
+text is about half of the gain on the sample.
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ class SensitivityGroup:
 
 
 def decoder_groups(layer_keys: list[str], per_tensor: bool = False) -> list[SensitivityGroup]:
-    """The converter's groups (qkv, o, gu, d per layer) in model order; per_tensor: one group
-    per linear instead (named by its slot), for experiments with finer allocation."""
+    """The heuristic's groups (qkv, o, gu, d per layer) in model order; per_tensor: one unit per
+    linear instead, named by its tensor key (what the converter measures and allocates)."""
     out = []
     for i, key in enumerate(layer_keys):
         if per_tensor:
@@ -108,10 +110,24 @@ def quantization_noise(weight: torch.Tensor, hessian: torch.Tensor | None, rel_m
 # ------------------------------------------------------------------------------------------------
 # the measurement
 
-# Rows × tokens of calibration text the measurement runs: enough that the per-group KLDs are
-# stable to a few percent (the noise is seeded and the tokens are shared by every group, so
-# ranking errors come mostly from the token sample), small enough to take seconds on a GPU.
+# Rows × tokens of calibration text the measurement runs. The token sample, not the noise draw,
+# limits the precision: on SmolLM2 at 4 x 256 tokens, two disjoint samples give sensitivities a
+# median 20% apart (log-correlation 0.97), two noise seeds 5% (0.99). A GPU affords 8x the tokens
+# and still takes seconds; a CPU conversion is slow anyway, so its measurement stays small.
 SAMPLE = {"cuda": (16, 512), "cpu": (4, 256)}
+
+
+# Calibration tokens behind the noise-shaping Hessians: ~85x the widest input (1536) of a small
+# model and plenty for 8B-class widths (14336: 9x), at a quarter of the default set's cost.
+HESSIAN_TOKENS = 1 << 17
+
+
+def hessian_rows(ids: torch.Tensor, max_tokens: int = HESSIAN_TOKENS) -> torch.Tensor:
+    """Every k-th calibration row (all kinds: prose, code, random ids, like the converter's own
+    Hessians), at most max_tokens tokens in all."""
+    rows = max(1, min(ids.shape[0], max_tokens // ids.shape[1]))
+    step = -(-ids.shape[0] // rows)
+    return ids[::step]
 
 
 def probe_mse(bpw: float) -> float:
@@ -182,7 +198,7 @@ def _capture_hessians(runner: ModelRunner, layer: int, x: torch.Tensor, slots,
 
 
 class HessianStream:
-    """The input Hessians of the unquantized model's layers over the whole calibration set, one
+    """The input Hessians of the unquantized model's layers over calibration rows, one
     layer at a time (layer l's are captured while the stream advances through it), so only one
     layer's Hessians exist at once. The noise that stands in for quantization must be shaped by
     Hessians as good as the converter's: from a few thousand tokens they are rank-deficient, and
@@ -214,7 +230,7 @@ def measure_sensitivities(runner: ModelRunner, ids: torch.Tensor, groups: list[S
                           progress: Callable[[int, int, str], None] | None = None) -> dict[str, float]:
     """s_g = KL(clean ‖ g perturbed at `probe_mse`) / probe_mse, KL averaged per token over the
     sample rows `ids` [rows, tokens]. `hessians(layer)` gives the noise-shaping Hessians per
-    qmap; it is called once per layer in increasing order (a HessianStream over the whole
+    qmap; it is called once per layer in increasing order (a HessianStream over the
     calibration set); None captures them on the sample itself (only for tiny tests: see
     HessianStream). Runs on the model's device; the model is left exactly as it was (perturbed
     weights are swapped in and back, never modified in place)."""
