@@ -8,6 +8,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph  the same, each decode step a CUDA-graph replay of the model's own forward over a
               static cache (engine.generate.graph_decode, what generate() uses on CUDA), so no
               host work is left per token but the sync that reads the token
+  cuda-graph-noglue  the same with norms, residual adds, RoPE and the gated activation as the
+              PyTorch ops the glue kernels replace (the previous version, for a same-run ratio)
+  cuda-graph-nopdl   cuda-graph without programmatic dependent launch of the products
+--breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
 from __future__ import annotations
@@ -92,10 +96,14 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--codebook", default="mul1")
     ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
-    ap.add_argument("--paths", nargs="+", default=["torch", "cuda", "cuda-graph"])
+    ap.add_argument("--paths", nargs="+", default=["torch", "cuda", "cuda-graph"],
+                    help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
+                         "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="cuda-graph path: GPU kernels per token, their summed time against the wall time, top kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "decode", "error": "no CUDA device"}))
@@ -109,18 +117,61 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             loaded[kind] = load(model_dir, kind)
         model, load_s = loaded[kind]
+        from engine import ops
+        ops.GLUE_KERNELS = path != "cuda-graph-noglue"
+        if path != "torch":
+            ops.extension().set_pdl(path != "cuda-graph-nopdl")
         for ctx in args.contexts:
             try:
-                tps = decode_graph(model, ctx, args.tokens) if path == "cuda-graph" else decode_eager(model, ctx, args.tokens)
+                graph = path.startswith("cuda-graph")
+                tps = decode_graph(model, ctx, args.tokens) if graph else decode_eager(model, ctx, args.tokens)
                 row = {"bench": "decode", "shape": args.shape, "bits": args.bits, "path": path, "context": ctx,
                        "tokens_per_s": round(tps, 1), "load_s": round(load_s, 1),
                        "gpu_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
             except Exception as e:  # report and go on: one failing path must not hide the others
                 row = {"bench": "decode", "path": path, "context": ctx, "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
-        if args.profile and path != "cuda-graph":
+        if args.profile and not path.startswith("cuda-graph"):
             profile_eager(model, path)
+        if args.breakdown and path.startswith("cuda-graph"):
+            print(json.dumps(graph_breakdown(model)), flush=True)
     return 0
+
+
+def graph_breakdown(model, tokens: int = 8) -> dict:
+    """Where a graph-replayed token's GPU time goes: how many kernels it runs, their summed
+    duration against the wall time per token (the difference is launch gaps and ramps between
+    kernels, which a graph does not remove), and the kernels that take the most time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.generate.graph_decode import GraphDecoder
+
+    decoder = GraphDecoder(model)
+    cache = decoder.new_cache(1, 64 + tokens)
+    ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        for _ in range(3):
+            ids = decoder.step(ids)[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(tokens):
+                ids = decoder.step(ids)[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    total = {}
+    for e in kernels:
+        name = e.name[:60]
+        us, n = total.get(name, (0.0, 0))
+        total[name] = (us + e.time_range.elapsed_us(), n + 1)
+    busy = sum(us for us, _ in total.values())
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"bench": "decode_breakdown", "tokens": tokens, "kernels_per_token": round(len(kernels) / tokens, 1),
+            "kernel_us_per_token": round(busy / tokens, 1), "wall_us_per_token": round(wall * 1e6 / tokens, 1),
+            "top": [{"kernel": k, "us_per_token": round(us / tokens, 1), "per_token": round(n / tokens, 1)}
+                    for k, (us, n) in top]}
 
 
 def profile_eager(model, path: str) -> None:

@@ -25,9 +25,9 @@ timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 --cache cold 
 echo "== viterbi $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 40 python3 -m bench.viterbi 2>&1 | tail -10 | tee -a $L
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 120 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 64 2>&1 | tail -4 | tee -a $L
+timeout 150 python3 -m bench.decode --paths cuda-graph cuda-graph-noglue --contexts 0 4096 --tokens 64 --breakdown 2>&1 | tee $OUT/decode.jsonl | tail -8 | tee -a $L
 echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits --profile 2>&1 | tail -20 | tee -a $L
 echo "== ncu $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 90 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 2>&1 | grep -vE "^==PROF==|^\s*$|----" | tail -80 > $OUT/ncu.txt; grep -E "Throughput|Duration|Achieved Occupancy|Registers|Stall|Issue|Theoretical Occ|DRAM" $OUT/ncu.txt | head -30 | tee -a $L
+timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu.txt 2>&1; grep -E "Throughput|Duration|Achieved Occupancy|Registers|Stall|Issue|Theoretical Occ|DRAM|Eligible|Active Warps" $OUT/ncu.txt | head -40 | tee -a $L
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L

@@ -76,6 +76,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     a.codebook = (int)codebook;
     a.ksplit = (int)ksplit;
     a.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    a.pdl = trellis::pdl_setting() && at::cuda::getCurrentDeviceProperties()->major >= 9;
     a.version = version == 2 ? 2 : 3;
     const bool fused_out = a.version == 3 && counters.has_value();
     if (fused_out) {
@@ -200,6 +201,23 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps
     return {y};
 }
 
+void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+    for (const auto* t : {&q, &k, &cos, &sin})
+        TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf, "rope_qk: fp16 CUDA tensors");
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+                    q.size(3) == k.size(3), "rope_qk: q, k must be [batch, T, heads, d] alike");
+    const int64_t d = q.size(3), T = q.size(1);
+    for (const auto* t : {&q, &k})
+        TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == d, "rope_qk: heads must be contiguous");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * d && sin.numel() == T * d,
+                "rope_qk: cos, sin must be contiguous [T, d]");
+    if (q.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(q.device());
+    CHECK_CUDA_OK(trellis::rope_qk(hptr_mut(q), hptr_mut(k), hptr(cos), hptr(sin), (int)q.size(0), (int)T,
+                                   (int)q.size(2), (int)k.size(2), (int)d, (long)q.stride(0), (long)q.stride(1),
+                                   (long)k.stride(0), (long)k.stride(1), at::cuda::getCurrentCUDAStream()));
+}
+
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
     TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
                 "gated_act: fp16 CUDA tensors");
@@ -252,9 +270,11 @@ torch::Tensor viterbi_encode(torch::Tensor targets, int64_t K, torch::Tensor lut
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches");
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
+    m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
+    m.def("rope_qk", &rope_qk, "rotate-half RoPE on q and k in place");
     m.def("viterbi_encode", &viterbi_encode, "tail-biting Viterbi trellis encoder (quantizer)");
 }

@@ -165,14 +165,19 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
     constexpr int kBRowWords = NG * 32 * S::BW;  // activation words per k row
     const uint32_t* p_b = xb + (size_t)p_row * kBRowWords + lane * (PATH == GV_I8 ? S::BW : 4);
-    auto issue = [&](int s) {
+    // A stage is one unit's trellis plus its k row's activations; `weights` / `acts` select
+    // which of the two to fetch (the prologue fetches them apart, see below).
+    auto issue = [&](int s, bool weights, bool acts) {
         if (s < n_units) {
             const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + lane * 4) * 4u;
+            if (weights) {
 #pragma unroll
-            for (int c0 = 0; c0 < kChunks; c0 += 32) {
-                if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + c0 * 4);
+                for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                    if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + c0 * 4);
+                }
             }
-            if constexpr (PATH == GV_I8) {
+            if (!acts) {
+            } else if constexpr (PATH == GV_I8) {
                 // 16 bytes per lane per group, only for lanes whose B column is a real row.
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr)
@@ -194,11 +199,23 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                 p_b = xb + lane * (PATH == GV_I8 ? S::BW : 4);
             }
         }
-        cp_async_commit();
+        if (acts) cp_async_commit();
     };
 
+    // Prologue. Launched with programmatic dependent launch, this kernel runs while the prep
+    // kernel that writes xb (and the I8 scales) may still be running: the trellis, a weight, is
+    // fetched first; activations, workspace and counters only after pdl_wait_primary. The
+    // trellis fetches join the first commit group, so stage s is complete when group s is.
+    {
+        const int grp0 = p_grp, row0 = p_row;
+        const uint32_t *src0 = p_src, *b0 = p_b;
 #pragma unroll
-    for (int s = 0; s < NS - 1; ++s) issue(s);
+        for (int s = 0; s < NS - 1; ++s) issue(s, true, false);
+        pdl_wait_primary();
+        p_grp = grp0, p_row = row0, p_slot = 0, p_src = src0, p_b = b0;
+#pragma unroll
+        for (int s = 0; s < NS - 1; ++s) issue(s, false, true);
+    }
 
     int wa, shift;
     lane_window<K>(lane, wa, shift);
@@ -327,7 +344,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     for (int s = 0; s < n_units; ++s) {
         cp_async_wait<NS - 2>();
         __syncwarp();
-        issue(s + NS - 1);
+        issue(s + NS - 1, true, true);
         const int base = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
 
@@ -425,10 +442,18 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
-    kern<<<(unsigned)blocks, kGvWarps * 32, smem, stream>>>(a.xb, a.scales, a.csum, a.trellis, a.z,
-                                                            a.m, a.in, a.out, a.y, a.ldy, a.svh,
-                                                            a.bias, a.counters);
-    return cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3(kGvWarps * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = a.pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kern, a.xb, a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y,
+                              a.ldy, a.svh, a.bias, a.counters);
 }
 
 template <int K, int CB, int PATH, int NG>

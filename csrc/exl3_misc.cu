@@ -101,6 +101,7 @@ __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* _
                               half* __restrict__ xh, uint32_t* __restrict__ sq, int ldsq,
                               float2* __restrict__ scales, float* __restrict__ csum, int rows,
                               int in) {
+    pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -143,6 +144,7 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 __global__ void prep_frag_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
                                  float* __restrict__ csum, int rows, int in, int ng) {
+    pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -193,6 +195,8 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
+void set_pdl(bool enabled) { pdl_flag() = enabled; }
+bool pdl_setting() { return pdl_flag(); }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.
@@ -412,6 +416,42 @@ cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n
     const long blocks = (total + 255) / 256;
     gated_act_kernel<<<(unsigned)(blocks < 65535 * 8 ? blocks : 65535 * 8), 256, 0, stream>>>(
         gate, up, y, rows, n, ld_gate, ld_up, act);
+    return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, rotate-half convention, on q and k in one launch and in place. One block per token;
+// each thread rotates pairs (i, i + d/2) of some head. Rounds like the PyTorch fp16 ops it
+// replaces (x*cos and rot(x)*sin each rounded, then their sum), so both paths give the same bits.
+
+__global__ void rope_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ cos,
+                            const half* __restrict__ sin, int T, int hq, int hk, int d,
+                            long q_batch, long q_tok, long k_batch, long k_tok) {
+    const int b = blockIdx.x / T, t = blockIdx.x - (blockIdx.x / T) * T;
+    const int half_d = d >> 1;
+    const half* c = cos + (size_t)t * d;
+    const half* s = sin + (size_t)t * d;
+    half* qrow = q + b * q_batch + t * q_tok;
+    half* krow = k + b * k_batch + t * k_tok;
+    const int pairs = (hq + hk) * half_d;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int head = p / half_d, i = p - head * half_d;
+        half* base = head < hq ? qrow + (size_t)head * d : krow + (size_t)(head - hq) * d;
+        const half lo = base[i], hi = base[i + half_d];
+        // _rn forms: a plain mul + add may be contracted into one fma, which rounds once less
+        base[i] = __hadd_rn(__hmul_rn(lo, c[i]), __hmul_rn(__hneg(hi), s[i]));
+        base[i + half_d] = __hadd_rn(__hmul_rn(hi, c[i + half_d]), __hmul_rn(lo, s[i + half_d]));
+    }
+}
+
+cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
+                    int hk, int d, long q_batch, long q_tok, long k_batch, long k_tok,
+                    cudaStream_t stream) {
+    if (batch < 1 || T < 1 || d % 2 || hq < 0 || hk < 0) return cudaErrorInvalidValue;
+    const int pairs = (hq + hk) * (d / 2);
+    const int threads = pairs >= 1024 ? 512 : (pairs >= 256 ? 256 : 64);
+    rope_kernel<<<batch * T, threads, 0, stream>>>(q, k, cos, sin, T, hq, hk, d, q_batch, q_tok,
+                                                   k_batch, k_tok);
     return cudaGetLastError();
 }
 

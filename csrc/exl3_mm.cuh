@@ -98,6 +98,25 @@ inline int& mm_debug_variant() {
     return v;
 }
 
+inline bool& pdl_flag() {
+    static bool v = true;
+    return v;
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without the
+// attribute). The primary lets its dependent start; the dependent waits for the primary's
+// completion and memory before touching anything the primary writes.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Per-warp cp.async ring over the k tiles [i0, i1) of column tile j. Each warp owns its ring,
 // so the main loop needs only __syncwarp, never a block barrier.
 template <int K>

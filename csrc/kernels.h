@@ -32,6 +32,9 @@ struct MmArgs {
     const uint32_t* trellis = nullptr;  // [in/16, out/16, 16K] int16 as uint32 words
     float* z = nullptr;             // [m, out] fp32, zero on entry; partial sums are added
     int m = 0, in = 0, out = 0, K = 0, codebook = 0, ksplit = 0, num_sms = 0;
+    // Version 3: launch with programmatic dependent launch (sm_90+), so the product's blocks start
+    // and fetch trellis while the prep kernel before it still runs.
+    bool pdl = false;
 };
 
 // xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
@@ -66,6 +69,11 @@ cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const h
 // Timing probe for benchmarks: 0 normal, 1 = product without decode, 2 = decode without MMA.
 void set_mm_debug_variant(int variant);
 
+// Programmatic dependent launch of the version-3 product (on by default where the GPU has it);
+// off gives benchmarks a same-run baseline.
+void set_pdl(bool enabled);
+bool pdl_setting();
+
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
                              int codebook, cudaStream_t stream);
@@ -78,6 +86,12 @@ cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y
 // Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
                       int ld_up, int act, cudaStream_t stream);
+
+// RoPE (rotate-half) on q [batch, T, hq, d] and k [batch, T, hk, d] in place, heads contiguous
+// within a token; cos, sin [T, d]. Strides in elements.
+cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
+                    int hk, int d, long q_batch, long q_tok, long k_batch, long k_tok,
+                    cudaStream_t stream);
 
 // Tail-biting Viterbi encoder (spec 5.6, same result as engine/quantize/viterbi.py): targets fp32
 // [n, 256] in stream order, lut the codebook's 65536 fp16 values, states int32 [n, 256]. `blocks`

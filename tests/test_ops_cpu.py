@@ -68,12 +68,15 @@ def test_norms_activations_rope():
     assert torch.allclose(ops.gated_act(g, u, "gelu_pytorch_tanh"), F.gelu(g, approximate="tanh") * u)
     with pytest.raises(ValueError):
         ops.gated_act(g, u, "relu6")
-    from engine.models.rope import apply_rope
-
-    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    # RoPE on the projections' [B, T, heads, D] layout, rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 1, 8)
     ang = torch.randn(5, 8)
-    qr, kr = ops.rope(q, k, ang.cos(), ang.sin())
-    assert torch.allclose(qr, apply_rope(q, ang.cos(), ang.sin())) and torch.allclose(kr, apply_rope(k, ang.cos(), ang.sin()))
+    qr, kr = ops.rope_qk(q, k, ang.cos(), ang.sin())
+    for x, xr in ((q, qr), (k, kr)):
+        c, s = ang.cos()[:, None], ang.sin()[:, None]
+        x1, x2 = x[..., :4], x[..., 4:]
+        want = torch.cat((x1 * c[..., :4] - x2 * s[..., :4], x2 * c[..., 4:] + x1 * s[..., 4:]), dim=-1)
+        assert xr.shape == x.shape and torch.allclose(xr, want, atol=1e-6)
 
 
 def test_kernels_disabled_without_cuda(monkeypatch):

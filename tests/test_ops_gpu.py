@@ -130,6 +130,26 @@ def test_rms_norm_and_fused_residual():
     assert rel_rms(y, w * hs.half()) < 1e-3
 
 
+def test_rope_kernel_rounds_like_the_torch_ops():
+    """The fused kernel (in place, q and k in one launch) against the same formula in fp16 torch
+    ops on the GPU, including a q that is a strided slice of a wider projection output."""
+    wide = torch.randn(2, 3, 6 * 64 + 64, device=DEV).half()
+    tail = wide[..., 6 * 64:].clone()
+    q = wide[..., :6 * 64].view(2, 3, 6, 64)
+    k = torch.randn(2, 3, 2, 64, device=DEV).half()
+    ang = torch.randn(3, 64, device=DEV)
+    cos, sin = ang.cos().half(), ang.sin().half()
+
+    def torch_rope(x):
+        c, s = cos[:, None], sin[:, None]
+        return x * c + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * s
+
+    want_q, want_k = torch_rope(q), torch_rope(k)
+    got_q, got_k = ops.rope_qk(q, k.clone(), cos, sin)
+    assert got_q.data_ptr() == wide.data_ptr() and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(wide[..., 6 * 64:], tail)  # the padding columns are not touched
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated_act(act):
     g = torch.randn(3, 1000, device=DEV).half() * 3

@@ -8,6 +8,8 @@ per-head q/k RMSNorm, a tied or separate head, sliding-window layers.
         x = x + o_proj(attention(rope(q), rope(k), v))     on input_layernorm(x)
         x = x + down(silu(gate(h)) * up(h))                with h = post_attention_layernorm(x)
     logits = lm_head(norm(x))
+
+On the GPU each residual add is done by the kernel of the norm that follows it.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.cache.contiguous import KVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.layers import GatedMLP, attention
 from engine.models.loading import WeightLoader
-from engine.models.rope import RotaryEmbedding, apply_rope
+from engine.models.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -56,8 +59,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.rope_qk(q, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         out = attention(q, k, v, mask, self.scale, self.softcap)
@@ -79,8 +82,20 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, mlp_out = self.residual_forward(x, None, cos, sin, mask, cache)
+        return x + mlp_out
+
+    def residual_forward(self, x, pending, cos, sin, mask, cache):
+        """(residual stream, this layer's MLP output not yet added to it). Each residual add
+        rides in the kernel of the norm that follows it: `pending` (the previous layer's MLP
+        output) in this layer's input norm, the attention output in the post-attention norm."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(pending, x)
+        a = self.self_attn(h, cos, sin, mask, cache)
+        h, x = self.post_attention_layernorm.add_forward(a, x)
+        return x, self.mlp(h)
 
 
 class DecoderLM(CausalLM):
@@ -105,10 +120,11 @@ class DecoderLM(CausalLM):
         positions, masks = self._attention_inputs(input_ids, cache)
         cos, sin = self.rotary(positions, self.dtype)
 
-        x = self.embed(input_ids)
+        x, pending = self.embed(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
-        logits = self.head_logits(self.norm(x))
+            x, pending = layer.residual_forward(x, pending, cos, sin, masks[layer.self_attn.window], cache)
+        h = self.norm(x) if pending is None else self.norm.add_forward(pending, x)[0]
+        logits = self.head_logits(h)
 
         if cache is not None:
             cache.advance(input_ids.shape[1])

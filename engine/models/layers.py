@@ -30,11 +30,18 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset:
+            return ops.rms_norm(x, self.weight, self.eps)  # one kernel on the GPU instead of eight
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add rides in the norm's kernel."""
+        if not self.unit_offset:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        s = x + residual
+        return self(s), s
 
 
 class DenseLinear(nn.Module):
@@ -190,7 +197,8 @@ class GatedMLP(nn.Module):
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: str):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-        self.act = activation(act)
+        self.act = activation(act)  # raises for an unknown name
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.gated_act(self.gate_proj(x), self.up_proj(x), self.act_name))

@@ -91,10 +91,3 @@ class RotaryEmbedding(torch.nn.Module):
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, head_dim]; rotate-half convention (first half paired with second half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -25,6 +25,10 @@ INT8_PATH = os.environ.get("TRELLIS_INT8", "0") == "1"
 # one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
 MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
 
+# Norm, residual, RoPE and gated-activation kernels: on by default; benchmarks turn them off
+# (TRELLIS_GLUE=0) to time the same model with the PyTorch ops they replace.
+GLUE_KERNELS = os.environ.get("TRELLIS_GLUE", "1") != "0"
+
 _ext = None
 _ext_error: Exception | None = None
 _workspaces: dict[torch.device, torch.Tensor] = {}
@@ -47,6 +51,8 @@ def extension():
         except Exception as e:
             _ext_error = e
             raise
+        # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
+        _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
     return _ext
 
 
@@ -169,7 +175,7 @@ def exl3_linear(x: torch.Tensor, t, out_features: int | None = None) -> torch.Te
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-style RMSNorm: fp32 statistics, cast to x's dtype, then times weight."""
-    if _use_cuda(x, weight) and x.shape[-1] % 2 == 0:
+    if GLUE_KERNELS and _use_cuda(x, weight) and x.shape[-1] % 2 == 0:
         return extension().rms_norm(x.contiguous(), weight.contiguous(), eps, None)[0]
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -178,7 +184,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual): the residual add fused into the norm."""
-    if _use_cuda(x, residual, weight) and x.shape[-1] % 2 == 0 and x.shape == residual.shape:
+    if GLUE_KERNELS and _use_cuda(x, residual, weight) and x.shape[-1] % 2 == 0 and x.shape == residual.shape:
         y, s = extension().rms_norm(x.contiguous(), weight.contiguous(), eps, residual.contiguous())
         return y, s
     s = x + residual
@@ -196,25 +202,33 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.
     """act(gate) * up (SwiGLU / GeGLU glue)."""
     if act not in _ACT_IDS:
         raise ValueError(f"unsupported activation {act!r}")
-    if _use_cuda(gate, up) and gate.shape == up.shape:
+    if GLUE_KERNELS and _use_cuda(gate, up) and gate.shape == up.shape:
         return extension().gated_act(gate, up, _ACT_IDS[act])
     a = _ACT_IDS[act]
     g = F.silu(gate) if a == 0 else F.gelu(gate, approximate="tanh" if a == 1 else "none")
     return g * up
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotary embedding, rotate-half convention; cos/sin broadcast against q/k [..., T, D].
-    PyTorch on every device: it is a few fused elementwise kernels and graph-capturable, and
-    every scaling type only changes the cos/sin tables the model builds."""
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding on q [B, T, Hq, D] and k [B, T, Hk, D] (the layout the projections
+    produce), cos/sin [T, D]. On the GPU one kernel rotates both in place (they are fresh
+    projection outputs), rounding like the PyTorch ops, which otherwise cost ten launches."""
+    D = q.shape[-1]
+    if (GLUE_KERNELS and _use_cuda(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.stride(-2) == D and k.stride(-2) == D and cos.shape == (q.shape[1], D) and cos.is_contiguous()
+            and sin.is_contiguous()):
+        extension().rope_qk(q, k, cos, sin)
+        return q, k
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+
     def rot(t):
         h = t.shape[-1] // 2
         return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
 
-    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    return q * c + rot(q) * s, k * c + rot(k) * s
 
 
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
-    "residual_add", "gated_act", "rope", "kernels_available", "kernels_enabled", "extension",
+    "residual_add", "gated_act", "rope_qk", "kernels_available", "kernels_enabled", "extension",
 ]
