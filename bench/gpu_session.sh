@@ -22,6 +22,8 @@ timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths 
 timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 6 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | tee -a $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
 TRELLIS_INT8=1 timeout 30 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | python3 -c "$SUM" | sed 's/^/int8 /' | tee -a $L
 timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 --cache cold --probe --paths fused --calls 100 --warmup 10 2>&1 | grep probe | python3 -c "$SUM" | tee -a $L
+echo "== linear, graph-replay timing (no host cost), grid cap sweep for small layers $(( $(date +%s)-t0 ))s" | tee -a $L
+for U in 8 4 2; do timeout 40 python3 -m bench.linear --timing graph --min-units $U --shapes 4096x1024 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph min_units=$U /" | tee -a $L; done
 echo "== viterbi $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 40 python3 -m bench.viterbi 2>&1 | tail -10 | tee -a $L
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L

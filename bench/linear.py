@@ -39,17 +39,29 @@ ANCHORS = {
 L2_BYTES = 60 << 20
 
 
+# "events": the calls issued from Python between two CUDA events (what an eager caller sees; a
+# small layer is then host-bound). "graph": the same calls captured once in a CUDA graph and
+# replayed, so only GPU time counts, as in the engine's graph-replayed decode.
+TIMING = {"mode": "events"}
+
+
 def time_calls(fn, calls: int, warmup: int, batches: int = 5) -> float:
     """Median microseconds per call over `batches` CUDA-event timed runs of `calls` calls."""
     for _ in range(warmup):
         fn(0)
     torch.cuda.synchronize()
+    run = lambda: [fn(i) for i in range(calls)]  # noqa: E731
+    if TIMING["mode"] == "graph":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+        run()
     per_call = []
     for _ in range(batches):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for i in range(calls):
-            fn(i)
+        run()
         b.record()
         b.synchronize()
         per_call.append(a.elapsed_time(b) * 1000.0 / calls)
@@ -84,7 +96,7 @@ def bench_shape(shape: str, ms, Ks, codebooks, paths, cold: bool, calls: int, wa
             for K in Ks:
                 layers = [make_layer(n_in, n_out, K, cb, dev, gen) for _ in range(copies_for(n_in * n_out * K // 8, cold))]
                 for path in paths:
-                    if path == "torch" and (m > 8 or n_in * n_out > 4096 * 14336):
+                    if path == "torch" and (m > 8 or n_in * n_out > 4096 * 14336 or TIMING["mode"] == "graph"):
                         continue  # the reference path reconstructs per call: seconds of timing
                     c = max(3, calls // 50) if path == "torch" else calls
                     if path == "fused2":  # the previous kernel generation, for a same-run ratio
@@ -98,7 +110,8 @@ def bench_shape(shape: str, ms, Ks, codebooks, paths, cold: bool, calls: int, wa
                         ref_ratio = round(anchor[1][K] / anchor[0], 3)
                     row = {
                         "bench": "linear", "shape": shape, "m": m, "K": K, "codebook": cb, "path": path,
-                        "cache": "cold" if cold else "hot", "us": round(us, 2), "fp16_us": round(dense_us, 2),
+                        "cache": "cold" if cold else "hot", "timing": TIMING["mode"], "us": round(us, 2),
+                        "fp16_us": round(dense_us, 2),
                         "ratio_vs_fp16": round(us / dense_us, 3), "reference_ratio_vs_fp16": ref_ratio,
                         "trellis_GBps": round(n_in * n_out * K / 8 / us / 1e3, 1),
                     }
@@ -186,12 +199,20 @@ def main(argv=None) -> int:
     ap.add_argument("--probe", action="store_true",
                     help="also time the fused kernel with its decode left out and with its MMAs left out")
     ap.add_argument("--once", action="store_true", help="a few calls per config and no timing (for ncu)")
+    ap.add_argument("--timing", choices=["events", "graph"], default="events",
+                    help="events: Python-issued calls (host cost included); graph: replay of captured calls (GPU only)")
+    ap.add_argument("--min-units", type=int, default=None,
+                    help="version-3 product: fewest units per warp when the launcher shrinks the grid (default 8)")
     args = ap.parse_args(argv)
+    TIMING["mode"] = args.timing
     if args.once:
         return run_once(args)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "linear", "error": "no CUDA device"}))
         return 1
+    if args.min_units is not None:
+        from engine import ops
+        ops.extension().set_gemv_min_units(args.min_units)
     print(json.dumps({"bench": "linear", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "check_rel_rms_8192x28672_K4_m8": round(check_once(8192, 28672, 4, "mul1", 8), 6),
                       "check_rel_rms_8192x28672_K4_m1": round(check_once(8192, 28672, 4, "mul1", 1), 6),

@@ -271,6 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches");
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
+    m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");

@@ -430,13 +430,14 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
 }
 
 // Host side: grid = resident warps (2 blocks of 8 warps per SM), capped so that every warp has at
-// least 8 units (small layers gain nothing from more warps than that).
+// least gemv_min_units() units (8 unless a benchmark sets it).
 template <int K, int CB, int PATH, int NG, int VAR>
 cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     using S = GvShape<PATH, NG>;
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16);
     long blocks = 2L * (a.num_sms > 0 ? a.num_sms : 132);
-    const long by_units = (units / 8 + kGvWarps - 1) / kGvWarps;
+    const long min_units = gemv_min_units() > 0 ? gemv_min_units() : 1;
+    const long by_units = (units / min_units + kGvWarps - 1) / kGvWarps;
     if (by_units < blocks) blocks = by_units > 0 ? by_units : 1;
     const size_t smem = (size_t)kGvWarps * gv_stages<K>() * gv_stage_words<K, PATH, NG>() * 4;
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;

@@ -197,6 +197,7 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
 void set_pdl(bool enabled) { pdl_flag() = enabled; }
 bool pdl_setting() { return pdl_flag(); }
+void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.

@@ -103,6 +103,13 @@ inline bool& pdl_flag() {
     return v;
 }
 
+// Version-3 launcher: the fewest units per warp when a small layer shrinks the grid (a benchmark
+// knob: small layers are latency-bound and may want more, shorter warps).
+inline int& gemv_min_units() {
+    static int v = 8;
+    return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without the
 // attribute). The primary lets its dependent start; the dependent waits for the primary's
 // completion and memory before touching anything the primary writes.

@@ -73,6 +73,8 @@ void set_mm_debug_variant(int variant);
 // off gives benchmarks a same-run baseline.
 void set_pdl(bool enabled);
 bool pdl_setting();
+// Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
+void set_gemv_min_units(int units);
 
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
