@@ -10,7 +10,7 @@ L=$OUT/log.txt
 t0=$(date +%s)
 timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
 echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 150 python3 -m pytest -q --maxfail=5 -m gpu -p no:cacheprovider tests 2>&1 | tail -25 | tee -a $L
+timeout 150 python3 -m pytest -q -rs --maxfail=5 -m gpu -p no:cacheprovider tests 2>&1 | tail -25 | tee -a $L
 SUM='import sys,json
 for l in sys.stdin:
   try: r=json.loads(l)
