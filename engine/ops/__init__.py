@@ -53,6 +53,8 @@ def extension():
             raise
         # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
+        # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
+        _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
     return _ext
 
 
