@@ -68,6 +68,11 @@ def test_norms_activations_rope():
     assert torch.allclose(ops.gated_act(g, u, "gelu_pytorch_tanh"), F.gelu(g, approximate="tanh") * u)
     with pytest.raises(ValueError):
         ops.gated_act(g, u, "relu6")
+    from engine.errors import ConfigError
+    from engine.models.layers import check_activation
+    assert check_activation("gelu_pytorch_tanh") == "gelu_pytorch_tanh"
+    with pytest.raises(ConfigError):
+        check_activation("relu6")  # a model with it fails at load, not at its first forward
     # RoPE on the projections' [B, T, heads, D] layout, rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
     q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 1, 8)
     ang = torch.randn(5, 8)

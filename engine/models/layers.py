@@ -170,25 +170,11 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return torch.matmul(probs, v).reshape(B, H, 1, D)
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_new": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu": F.gelu,
-}
-
-
-def activation(name: str):
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ConfigError(f"unsupported activation '{name}' (supported: {', '.join(ACTIVATIONS)})") from None
+def check_activation(name: str) -> str:
+    """The gated activations engine.ops computes (SiLU, GELU tanh or erf); others fail at load."""
+    if name not in ops.GATED_ACTIVATIONS:
+        raise ConfigError(f"unsupported activation '{name}' (supported: {', '.join(ops.GATED_ACTIVATIONS)})")
+    return name
 
 
 class GatedMLP(nn.Module):
@@ -197,8 +183,7 @@ class GatedMLP(nn.Module):
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: str):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-        self.act = activation(act)  # raises for an unknown name
-        self.act_name = act
+        self.act_name = check_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.gated_act(self.gate_proj(x), self.up_proj(x), self.act_name))

@@ -198,6 +198,7 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 _ACT_IDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1, "gelu_tanh": 1, "gelu": 2}
+GATED_ACTIVATIONS = tuple(_ACT_IDS)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -232,5 +233,6 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
-    "residual_add", "gated_act", "rope_qk", "kernels_available", "kernels_enabled", "extension",
+    "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "kernels_available", "kernels_enabled",
+    "extension",
 ]
