@@ -282,14 +282,22 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         if constexpr (PATH == GV_I8) {
             // The constant part of MUL1 (kMul1C0 per weight) adds kMul1C0 * sum(xh row) to every
             // output column; exactly one warp per column group (the one holding k row 0) adds it.
+            // The row sums over all nch chunks are taken by the whole warp (a strided share per
+            // lane, then a butterfly), one memory round trip instead of nch / 4 dependent ones
+            // on the warp that holds k row 0 (SASS: the serial loop sat on the kernel's tail).
             if (seg_has_row0) {
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr) {
-                    const int row = gr * 4 + cq;
-                    float t = 0.f;
-                    if (row < m)
-                        for (int c = 0; c < nch; ++c) t += csum[(size_t)row * nch + c];
-                    cadd[gr] = t;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int row = gr * 4 + j;
+                        float t = 0.f;
+                        if (row < m)
+                            for (int c = lane; c < nch; c += 32) t += csum[(size_t)row * nch + c];
+#pragma unroll
+                        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                        if (cq == j) cadd[gr] = t;
+                    }
                 }
             }
         }
