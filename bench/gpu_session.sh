@@ -3,8 +3,8 @@
 # Viterbi and decode benchmarks. Usage (device tool): copy ../shared/fixtures into
 # .devcarry/shared/fixtures (the GPU tests compare whole-model logits with the reference fixtures),
 # carry .devcarry, and run `bash bench/gpu_session.sh`. Logs land in $OUT/log.txt.
-# The converter quality run needs the SmolLM2 GGUF (98 MB, over the 64 MiB carry limit): carry it
-# in two parts in back-to-back calls (cat them in /tmp), then `python -m bench.convert_quality`.
+# The converter quality run is bench/convert_session.sh: the SmolLM2 GGUF (98 MB) is over the 64 MiB
+# carry limit, so it goes over in two parts in back-to-back calls (see that script).
 export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
 L=$OUT/log.txt
 t0=$(date +%s)
