@@ -33,7 +33,7 @@ import torch
 from bench.convert_quality import eval_windows
 from engine.formats.exl3 import pad_to_128
 from engine.quantize.allocation import (CODEBOOK_MSE, QGroup, allocate_bits, allocate_measured, average_bits,
-                                        predicted_kld)
+                                        measured_k_range, predicted_kld)
 from engine.quantize.block_runner import ModelRunner
 from engine.quantize.calibration import build_calibration, text_row_indices, text_rows
 from engine.quantize.sensitivity import (SAMPLE, HessianStream, decoder_groups, measure_sensitivities, probe_mse,
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--holdout", action="store_true", help="leave the sample rows out of the Hessians")
     ap.add_argument("--per-group", action="store_true",
                     help="also try measured allocation with one K per group (q/k/v, o, gate/up, down) instead of per linear")
-    ap.add_argument("--k-min", type=int, default=1)
+    ap.add_argument("--k-min", type=int, default=None,
+                    help="lowest K of the measured allocation (default: the converter's, measured_k_range)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -167,7 +168,8 @@ def main(argv=None) -> int:
             emit({"event": "sensitivity", "variant": name, "bits": bpw, "probe_mse": probe_mse(bpw),
                   "seconds": round(time.time() - t0, 1), "top": [[k, round(v, 3)] for k, v in top[:6]],
                   "bottom": [[k, round(v, 4)] for k, v in top[-4:]], "sensitivity": {k: round(v, 5) for k, v in sens.items()}})
-            allocs[name] = (allocate_measured(un, sens, bpw, k_min=args.k_min), un, sens)
+            k_min, k_max = measured_k_range(bpw)
+            allocs[name] = (allocate_measured(un, sens, bpw, k_min if args.k_min is None else args.k_min, k_max), un, sens)
         row = {"event": "result", "bits": bpw}
         for name, (bits, un, sens) in allocs.items():
             klds, sample_klds = [], []

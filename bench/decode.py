@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "decode", "error": "no CUDA device"}))
         return 1
+    from engine import ops
+
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     for path in args.paths:
@@ -117,13 +119,12 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             loaded[kind] = load(model_dir, kind)
         model, load_s = loaded[kind]
-        from engine import ops
+        graph = path.startswith("cuda-graph")
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
         if path != "torch":
             ops.extension().set_pdl(path != "cuda-graph-nopdl")
         for ctx in args.contexts:
             try:
-                graph = path.startswith("cuda-graph")
                 tps = decode_graph(model, ctx, args.tokens) if graph else decode_eager(model, ctx, args.tokens)
                 row = {"bench": "decode", "shape": args.shape, "bits": args.bits, "path": path, "context": ctx,
                        "tokens_per_s": round(tps, 1), "load_s": round(load_s, 1),
@@ -131,9 +132,9 @@ def main(argv=None) -> int:
             except Exception as e:  # report and go on: one failing path must not hide the others
                 row = {"bench": "decode", "path": path, "context": ctx, "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
-        if args.profile and not path.startswith("cuda-graph"):
+        if args.profile and not graph:
             profile_eager(model, path)
-        if args.breakdown and path.startswith("cuda-graph"):
+        if args.breakdown and graph:
             print(json.dumps(graph_breakdown(model)), flush=True)
     return 0
 
@@ -148,7 +149,7 @@ def graph_breakdown(model, tokens: int = 8) -> dict:
     from engine.generate.graph_decode import GraphDecoder
 
     decoder = GraphDecoder(model)
-    cache = decoder.new_cache(1, 64 + tokens)
+    decoder.new_cache(1, 64 + tokens)  # the decoder keeps it: step() appends to it
     ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         for _ in range(3):

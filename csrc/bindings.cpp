@@ -75,8 +75,9 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     a.K = (int)(trellis.size(2) / 16);
     a.codebook = (int)codebook;
     a.ksplit = (int)ksplit;
-    a.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    a.pdl = trellis::pdl_setting() && at::cuda::getCurrentDeviceProperties()->major >= 9;
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+    a.num_sms = props->multiProcessorCount;
+    a.pdl = trellis::pdl_setting() && props->major >= 9;
     a.version = version == 2 ? 2 : 3;
     const bool fused_out = a.version == 3 && counters.has_value();
     if (fused_out) {

@@ -176,17 +176,18 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                     if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + c0 * 4);
                 }
             }
-            if (!acts) {
-            } else if constexpr (PATH == GV_I8) {
-                // 16 bytes per lane per group, only for lanes whose B column is a real row.
+            if (acts) {
+                if constexpr (PATH == GV_I8) {
+                    // 16 bytes per lane per group, only for lanes whose B column is a real row.
 #pragma unroll
-                for (int gr = 0; gr < NG; ++gr)
-                    if (has_b[gr]) gv_cp16(ring_sa + (uint32_t)(p_slot * SW + CT * TW + (gr * 32 + lane) * 4) * 4u, p_b + gr * 128);
-            } else {
+                    for (int gr = 0; gr < NG; ++gr)
+                        if (has_b[gr]) gv_cp16(ring_sa + (uint32_t)(p_slot * SW + CT * TW + (gr * 32 + lane) * 4) * 4u, p_b + gr * 128);
+                } else {
 #pragma unroll
-                for (int c0 = 0; c0 < kBChunks; c0 += 32) {
-                    if (kBChunks % 32 == 0 || c0 + lane < kBChunks)
-                        gv_cp16(dst + (CT * TW + c0 * 4) * 4, p_b + c0 * 4);
+                    for (int c0 = 0; c0 < kBChunks; c0 += 32) {
+                        if (kBChunks % 32 == 0 || c0 + lane < kBChunks)
+                            gv_cp16(dst + (CT * TW + c0 * 4) * 4, p_b + c0 * 4);
+                    }
                 }
             }
             p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
@@ -444,8 +445,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     using S = GvShape<PATH, NG>;
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16);
     long blocks = 2L * (a.num_sms > 0 ? a.num_sms : 132);
-    const long min_units = gemv_min_units() > 0 ? gemv_min_units() : 1;
-    const long by_units = (units / min_units + kGvWarps - 1) / kGvWarps;
+    const long by_units = (units / gemv_min_units() + kGvWarps - 1) / kGvWarps;
     if (by_units < blocks) blocks = by_units > 0 ? by_units : 1;
     const size_t smem = (size_t)kGvWarps * gv_stages<K>() * gv_stage_words<K, PATH, NG>() * 4;
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;

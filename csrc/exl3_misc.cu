@@ -428,7 +428,7 @@ cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n
 __global__ void rope_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ cos,
                             const half* __restrict__ sin, int T, int hq, int hk, int d,
                             long q_batch, long q_tok, long k_batch, long k_tok) {
-    const int b = blockIdx.x / T, t = blockIdx.x - (blockIdx.x / T) * T;
+    const int b = blockIdx.x / T, t = blockIdx.x - b * T;
     const int half_d = d >> 1;
     const half* c = cos + (size_t)t * d;
     const half* s = sin + (size_t)t * d;

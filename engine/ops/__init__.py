@@ -217,9 +217,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     produce), cos/sin [T, D]. On the GPU one kernel rotates both in place (they are fresh
     projection outputs), rounding like the PyTorch ops, which otherwise cost ten launches."""
     D = q.shape[-1]
-    if (GLUE_KERNELS and _use_cuda(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 and q.stride(-1) == 1 and k.stride(-1) == 1
-            and q.stride(-2) == D and k.stride(-2) == D and cos.shape == (q.shape[1], D) and cos.is_contiguous()
-            and sin.is_contiguous()):
+    heads_contiguous = all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k))
+    if (GLUE_KERNELS and _use_cuda(q, k, cos, sin) and heads_contiguous and cos.shape == (q.shape[1], D)
+            and cos.is_contiguous() and sin.is_contiguous()):
         extension().rope_qk(q, k, cos, sin)
         return q, k
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
