@@ -11,6 +11,7 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-noglue  the same with norms, residual adds, RoPE and the gated activation as the
               PyTorch ops the glue kernels replace (the previous version, for a same-run ratio)
   cuda-graph-nopdl   cuda-graph without programmatic dependent launch of the products
+  cuda-graph-nogroup cuda-graph with one product per linear (q/k/v and gate/up not grouped)
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
     ap.add_argument("--paths", nargs="+", default=["torch", "cuda", "cuda-graph"],
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
-                         "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl")
+                         "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
+                         "cuda-graph-nogroup (one product per linear)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
@@ -121,6 +123,13 @@ def main(argv=None) -> int:
         model, load_s = loaded[kind]
         graph = path.startswith("cuda-graph")
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
+        if kind == "cuda":
+            from engine.models.layers import fuse_projections, split_projections
+
+            if path == "cuda-graph-nogroup":
+                split_projections(model)
+            else:
+                fuse_projections(model)
         if path != "torch":
             ops.extension().set_pdl(path != "cuda-graph-nopdl")
         for ctx in args.contexts:

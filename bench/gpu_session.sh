@@ -10,7 +10,14 @@ L=$OUT/log.txt
 t0=$(date +%s)
 timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
 echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 150 python3 -m pytest -q -rs --maxfail=5 -m gpu -p no:cacheprovider tests 2>&1 | tail -25 | tee -a $L
+timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
+echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 200 python3 -m bench.decode --paths cuda-graph cuda-graph-nopdl cuda-graph-nogroup --contexts 0 4096 --tokens 64 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
+# The previous version in the same run: a copy of an earlier commit's engine/csrc/bench under
+# .devcarry/prev (git archive <commit> engine csrc bench | tar -x -C .devcarry/prev), if present.
+if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 64 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi
+echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -3 | tee -a $L; TRELLIS_GROUP=0 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -2 | sed "s/^/nogroup /" | tee -a $L
 SUM='import sys,json
 for l in sys.stdin:
   try: r=json.loads(l)
@@ -21,15 +28,18 @@ echo "== linear $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths fused fused2 --cache cold --calls 100 --warmup 10 2>&1 | tee $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
 timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 6 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | tee -a $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
 TRELLIS_INT8=1 timeout 30 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | python3 -c "$SUM" | sed 's/^/int8 /' | tee -a $L
-timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 --cache cold --probe --paths fused --calls 100 --warmup 10 2>&1 | grep probe | python3 -c "$SUM" | tee -a $L
+timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 2 --m 1 --cache cold --probe --paths fused --calls 100 --warmup 10 2>&1 | grep probe | python3 -c "$SUM" | tee -a $L
 echo "== linear, graph-replay timing (no host cost), grid cap sweep for small layers $(( $(date +%s)-t0 ))s" | tee -a $L
 for U in 8 4 2; do timeout 40 python3 -m bench.linear --timing graph --min-units $U --shapes 4096x1024 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph min_units=$U /" | tee -a $L; done
 echo "== viterbi $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 40 python3 -m bench.viterbi 2>&1 | tail -10 | tee -a $L
-echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 150 python3 -m bench.decode --paths cuda-graph cuda-graph-noglue --contexts 0 4096 --tokens 64 --breakdown 2>&1 | tee $OUT/decode.jsonl | tail -8 | tee -a $L
-echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits --profile 2>&1 | tail -20 | tee -a $L
 echo "== ncu $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu.txt 2>&1; grep -E "Throughput|Duration|Achieved Occupancy|Registers|Stall|Issue|Theoretical Occ|DRAM|Eligible|Active Warps" $OUT/ncu.txt | head -40 | tee -a $L
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L
+echo "== decode, grid cap sweep $(( $(date +%s)-t0 ))s" | tee -a $L
+for U in 4 2; do TRELLIS_GV_MIN_UNITS=$U timeout 90 python3 -m bench.decode --paths cuda-graph --contexts 0 --tokens 64 2>&1 | grep tokens_per_s | sed "s/^/min_units=$U /" | tee -a $L; done
+echo "== ncu int8 path and small layer $(( $(date +%s)-t0 ))s" | tee -a $L
+STALL='--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+TRELLIS_INT8=1 timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats $STALL python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu_int8.txt 2>&1; grep -E "Duration|Throughput|Issue|Eligible|Registers|ratio" $OUT/ncu_int8.txt | sort -k3 -n -r | head -30 | tee -a $L
+TRELLIS_GV_MIN_UNITS=2 timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section SchedulerStats $STALL python3 -m bench.linear --once --shapes 4096x4096 --K 4 --m 1 > $OUT/ncu_small.txt 2>&1; grep -E "Duration|Throughput|Issue|Eligible|ratio" $OUT/ncu_small.txt | head -40 | tee -a $L
+echo "== all done $(( $(date +%s)-t0 ))s" | tee -a $L

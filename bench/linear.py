@@ -156,7 +156,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     cnt = ops.block_counters(dev, 1)
     fns = {
         "ops_exl3_gemm_us": lambda: ops.exl3_gemm(x, t),
-        "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0, 3, cnt),
+        "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0, 3, cnt, [], None, 0),
         "torch_matmul_us": lambda: torch.matmul(x, w),
     }
     res = {}
@@ -233,7 +233,7 @@ def probe(args) -> None:
 
     ext = ops.extension()
     for shape in args.shapes:
-        for variant, name in ((1, "no_decode"), (2, "no_mma"), (0, "full")):
+        for variant, name in ((1, "no_decode"), (2, "no_mma"), (3, "one_stream"), (0, "full")):
             ext.set_mm_debug_variant(variant)
             try:
                 for row in bench_shape(shape, args.m, args.K, args.codebook, ["fused"], True, args.calls, args.warmup, out=open("/dev/null", "w")):

@@ -42,10 +42,15 @@ void check_trellis(const torch::Tensor& trellis) {
 
 // y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
 // entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
+// seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
+// concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
+// [linears, in] and svh, bias, y span all of them.
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
                         torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,
-                        int64_t version, c10::optional<torch::Tensor> counters) {
+                        int64_t version, c10::optional<torch::Tensor> counters,
+                        std::vector<int64_t> seg_cols, c10::optional<torch::Tensor> up,
+                        int64_t act) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
@@ -55,7 +60,22 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     TORCH_CHECK(in % 128 == 0 && out % 128 == 0, "fused EXL3 product needs dims that are multiples of 128");
     TORCH_CHECK(x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
                 "x rows must be 8-byte aligned");
-    check_half_vec(suh, in, "suh");
+    const int nseg = (int)seg_cols.size() + 1;
+    TORCH_CHECK(nseg <= 4, "a grouped product takes at most four linears");
+    for (size_t s = 0; s < seg_cols.size(); ++s)
+        TORCH_CHECK(seg_cols[s] % 128 == 0 && seg_cols[s] > (s ? seg_cols[s - 1] : 0) && seg_cols[s] < out,
+                    "grouped product: segment starts must be increasing multiples of 128 inside the output");
+    TORCH_CHECK(nseg == 1 || (version == 3 && counters.has_value()),
+                "grouped product needs the version-3 kernel with its fused output stage");
+    if (up.has_value()) {  // x is a gate, the input act(x) * up (a gated MLP's down projection)
+        TORCH_CHECK(version == 3 && nseg == 1, "a gated input needs the version-3 single product");
+        TORCH_CHECK(up->is_cuda() && up->scalar_type() == torch::kHalf && up->dim() == 2 &&
+                        up->size(0) == m && up->size(1) == in && up->stride(1) == 1 &&
+                        up->stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(up->data_ptr()) % 8 == 0,
+                    "up must be an fp16 CUDA matrix shaped like x with 8-byte aligned rows");
+        TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (SiLU), 1 (GELU tanh) or 2 (GELU erf)");
+    }
+    check_half_vec(suh, in * nseg, "suh");
     check_half_vec(svh, out, "svh");
     check_half_vec(bias, out, "bias");
     TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == torch::kFloat &&
@@ -91,15 +111,16 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     }
     torch::Tensor xh, xb, sq, scales, csum;
     if (use_i8) {
-        scales = torch::empty({chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
-        csum = torch::empty({chunk, in / 128}, x.options().dtype(torch::kFloat));
+        scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
+        csum = torch::empty({nseg, chunk, in / 128}, x.options().dtype(torch::kFloat));
         a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
         a.csum = csum.data_ptr<float>();
     }
     if (a.version == 3) {
         // Fragment-ordered activations: I8 4 words per lane per group, F16 2 words.
         const int ng = trellis::gemv_groups(chunk, use_i8);
-        xb = torch::empty({in / 16, ng, 32, use_i8 ? 4 : 2}, x.options().dtype(torch::kInt));
+        xb = torch::empty({nseg, in / 16, ng, 32, use_i8 ? 4 : 2}, x.options().dtype(torch::kInt));
+        for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
         a.xb = reinterpret_cast<const uint32_t*>(xb.data_ptr());
     } else {
         xh = torch::empty({chunk, in}, x.options());
@@ -120,7 +141,9 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         if (a.version == 3) {
             CHECK_CUDA_OK(trellis::prep_frag(xr, (int)x.stride(0), hptr(suh),
                                              reinterpret_cast<uint32_t*>(xb.data_ptr()), sc, cs, rows,
-                                             (int)in, trellis::gemv_groups(rows, use_i8), stream));
+                                             (int)in, trellis::gemv_groups(rows, use_i8), nseg, stream,
+                                             up.has_value() ? hptr(*up) + r0 * up->stride(0) : nullptr,
+                                             up.has_value() ? (int)up->stride(0) : 0, (int)act));
         } else {
             CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
                                           use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
@@ -202,7 +225,11 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps
     return {y};
 }
 
-void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+// kc, vc [batch, hk, slots, d] (last dim contiguous, same strides), v [batch, T, hk, d] with
+// heads contiguous, pos int64 [1] on the device: also store k (rotated) and v at slot pos + t.
+void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+             c10::optional<torch::Tensor> v, c10::optional<torch::Tensor> kc,
+             c10::optional<torch::Tensor> vc, c10::optional<torch::Tensor> pos) {
     for (const auto* t : {&q, &k, &cos, &sin})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf, "rope_qk: fp16 CUDA tensors");
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
@@ -212,11 +239,36 @@ void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
         TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == d, "rope_qk: heads must be contiguous");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * d && sin.numel() == T * d,
                 "rope_qk: cos, sin must be contiguous [T, d]");
+    trellis::KvStore st;
+    if (kc.has_value()) {
+        TORCH_CHECK(v.has_value() && vc.has_value() && pos.has_value(), "rope_qk: a KV store needs v, kc, vc and pos");
+        TORCH_CHECK(v->scalar_type() == torch::kHalf && kc->scalar_type() == torch::kHalf &&
+                        vc->scalar_type() == torch::kHalf && v->is_cuda() && kc->is_cuda() && vc->is_cuda(),
+                    "rope_qk: v and the caches must be fp16 CUDA tensors");
+        TORCH_CHECK(v->sizes() == k.sizes() && v->stride(3) == 1 && v->stride(2) == d,
+                    "rope_qk: v must be shaped like k, heads contiguous");
+        TORCH_CHECK(kc->dim() == 4 && kc->sizes() == vc->sizes() && kc->strides() == vc->strides() &&
+                        kc->size(0) == k.size(0) && kc->size(1) == k.size(2) && kc->size(3) == d &&
+                        kc->stride(3) == 1 && kc->size(2) >= T,
+                    "rope_qk: caches must be [batch, kv heads, slots, d] alike, last dim contiguous");
+        TORCH_CHECK(pos->is_cuda() && pos->scalar_type() == torch::kLong && pos->numel() == 1,
+                    "rope_qk: pos must be an int64 CUDA tensor of one element");
+        st.kc = hptr_mut(*kc);
+        st.vc = hptr_mut(*vc);
+        st.v = hptr(*v);
+        st.pos = pos->data_ptr<int64_t>();
+        st.c_batch = (long)kc->stride(0);
+        st.c_head = (long)kc->stride(1);
+        st.c_tok = (long)kc->stride(2);
+        st.v_batch = (long)v->stride(0);
+        st.v_tok = (long)v->stride(1);
+        st.slots = (long)kc->size(2);
+    }
     if (q.numel() == 0) return;
     const c10::cuda::CUDAGuard guard(q.device());
     CHECK_CUDA_OK(trellis::rope_qk(hptr_mut(q), hptr_mut(k), hptr(cos), hptr(sin), (int)q.size(0), (int)T,
                                    (int)q.size(2), (int)k.size(2), (int)d, (long)q.stride(0), (long)q.stride(1),
-                                   (long)k.stride(0), (long)k.stride(1), at::cuda::getCurrentCUDAStream()));
+                                   (long)k.stride(0), (long)k.stride(1), st, at::cuda::getCurrentCUDAStream()));
 }
 
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {

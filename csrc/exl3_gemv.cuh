@@ -115,7 +115,9 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
     }
 }
 
-// VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA).
+// VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
+// trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
+// the same work, to time the memory layout).
 template <int K, int CB, int PATH, int NG, int VAR>
 __global__ void __launch_bounds__(kGvWarps * 32, 2)
 exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered activations
@@ -123,7 +125,8 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                  const float* __restrict__ csum,        // I8: [m, in/128] chunk sums of xh
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
-                 const half* __restrict__ bias, int* __restrict__ counters) {
+                 const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
+                 int seg_c3) {
     using S = GvShape<PATH, NG>;
     constexpr int CT = S::CT;
     constexpr int NS = gv_stages<K>();
@@ -163,8 +166,18 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     int p_slot = 0;
     const size_t row_step = (size_t)tn * TW;  // words from one k row of tiles to the next
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
+    if constexpr (VAR == 3) p_src = trellis + (size_t)u0 * CT * TW + lane * 4;  // probe: one stream
     constexpr int kBRowWords = NG * 32 * S::BW;  // activation words per k row
-    const uint32_t* p_b = xb + (size_t)p_row * kBRowWords + lane * (PATH == GV_I8 ? S::BW : 4);
+    // Grouped products (q/k/v or gate/up in one launch): the trellis of up to four linears that
+    // share an input is concatenated along the columns, and segment s (columns from seg_cs) has
+    // its own input signs, so its own activations: xb holds one k-row series per segment.
+    auto seg_of = [&](int grp) {
+        const int c = grp * CT * 16;
+        return (int)(c >= seg_c1) + (int)(c >= seg_c2) + (int)(c >= seg_c3);
+    };
+    const size_t seg_words = (size_t)tk * kBRowWords;
+    const uint32_t* p_b = xb + seg_of(p_grp) * seg_words + (size_t)p_row * kBRowWords +
+                          lane * (PATH == GV_I8 ? S::BW : 4);
     // A stage is one unit's trellis plus its k row's activations; `weights` / `acts` select
     // which of the two to fetch (the prologue fetches them apart, see below).
     auto issue = [&](int s, bool weights, bool acts) {
@@ -191,13 +204,13 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                 }
             }
             p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
-            p_src += row_step;
+            p_src += VAR == 3 ? CT * TW : row_step;
             p_b += kBRowWords;
             if (++p_row == tk) {
                 p_row = 0;
                 ++p_grp;
-                p_src = trellis + (size_t)p_grp * CT * TW + lane * 4;
-                p_b = xb + lane * (PATH == GV_I8 ? S::BW : 4);
+                if constexpr (VAR != 3) p_src = trellis + (size_t)p_grp * CT * TW + lane * 4;
+                p_b = xb + seg_of(p_grp) * seg_words + lane * (PATH == GV_I8 ? S::BW : 4);
             }
         }
         if (acts) cp_async_commit();
@@ -229,6 +242,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     int c_grp = (int)(u0 / tk);
     int c_row = (int)(u0 - (long)c_grp * tk);
     int c_slot = 0;
+    int c_seg = seg_of(c_grp);  // I8: which segment's scales and sums
     bool seg_has_row0 = c_row == 0;  // this warp's part of the current column group starts at k row 0
     int seg_units = 0;               // k rows of the current column group done by this warp
     const int nch = in >> 7;
@@ -261,7 +275,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
 #pragma unroll
             for (int gr = 0; gr < NG; ++gr) {
                 const int row = gr * 4 + cq;
-                cur_sc[gr] = row < m ? scales[(size_t)row * nch + ch] : make_float2(0.f, 0.f);
+                cur_sc[gr] = row < m ? scales[((size_t)c_seg * m + row) * nch + ch] : make_float2(0.f, 0.f);
             }
         }
     };
@@ -294,7 +308,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                         const int row = gr * 4 + j;
                         float t = 0.f;
                         if (row < m)
-                            for (int c = lane; c < nch; c += 32) t += csum[(size_t)row * nch + c];
+                            for (int c = lane; c < nch; c += 32) t += csum[((size_t)c_seg * m + row) * nch + c];
 #pragma unroll
                         for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
                         if (cq == j) cadd[gr] = t;
@@ -429,6 +443,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                 zero_acc();
                 c_row = 0;
                 ++c_grp;
+                c_seg = seg_of(c_grp);
                 seg_has_row0 = true;
                 seg_units = 0;
             }
@@ -451,18 +466,9 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(kGvWarps * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = a.pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kern, a.xb, a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y,
-                              a.ldy, a.svh, a.bias, a.counters);
+    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, a.xb, a.scales,
+                      a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
+                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2]);
 }
 
 template <int K, int CB, int PATH, int NG>
@@ -470,6 +476,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if constexpr (NG == 1) {
         if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
         if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
+        if (variant == 3) return launch_gemv_var<K, CB, PATH, NG, 3>(a, stream);
     }
     return launch_gemv_var<K, CB, PATH, NG, 0>(a, stream);
 }

@@ -2,6 +2,8 @@
 // scales, dense reconstruct, RMSNorm (optionally fused with the residual add) and gated MLP glue.
 #include <math.h>
 
+#include <utility>
+
 #include "exl3_decode.cuh"
 #include "exl3_mm.cuh"
 #include "kernels.h"
@@ -20,6 +22,26 @@ TRELLIS_DECLARE_MM(6)
 TRELLIS_DECLARE_MM(7)
 TRELLIS_DECLARE_MM(8)
 #undef TRELLIS_DECLARE_MM
+
+// The glue kernels (activation prep, RMSNorm, RoPE, gated activation) are launched as
+// programmatic dependents on sm_90+: the launch and block scheduling of each overlaps the tail of
+// the kernel before it, the gap that a decode token's ~500 launches otherwise pay one by one. Each
+// such kernel calls pdl_wait_primary before it touches global memory, so it reads its inputs only
+// once they are complete and writes nothing the previous kernel may still read.
+inline bool glue_pdl() {
+    static int major[64] = {};
+    int dev = 0;
+    if (!pdl_flag() || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+    if (!major[dev] && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return false;
+    return major[dev] >= 9;
+}
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                        Args&&... args) {
+    return launch_pdl(kernel, grid, block, 0, stream, glue_pdl(), std::forward<Args>(args)...);
+}
 
 cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
@@ -56,11 +78,44 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
 // Activation prep: one warp per (row, 128-chunk). Both layouts (version 2 row-major, version 3
 // MMA fragment order) share the transform and the int8 steps below.
 
+// act(g) * u for one element, rounded like gated_act_kernel (act in fp32, one fp16 rounding,
+// then an fp16 product), so the fused and the separate paths feed the product the same bits.
+__device__ __forceinline__ half gated_value(half gh, half u, int act) {
+    const float g = __half2float(gh);
+    float a;
+    if (act == 0) {
+        a = g / (1.f + __expf(-g));
+    } else if (act == 1) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+    } else {
+        a = 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
+    }
+    return __hmul(__float2half_rn(a), u);
+}
+
+// A product's input as the prep kernels read it: x itself, or act(x) * up where a gated MLP's
+// down projection takes its activation straight from the gate/up outputs (one launch fewer).
+struct PrepInput {
+    const half* x;
+    int ldx;
+    const half* up;  // nullptr: plain input
+    int ldu;
+    int act;
+};
+
 // This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r.
-__device__ __forceinline__ void prep_lane_xh(const half* __restrict__ x, int ldx,
-                                             const half* __restrict__ suh, int r, int k, int lane,
-                                             half2& o0, half2& o1) {
-    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)r * ldx + k);
+__device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const half* __restrict__ suh,
+                                             int r, int k, int lane, half2& o0, half2& o1) {
+    uint2 xv = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
+    if (in.up) {
+        const uint2 uv = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
+        const half2 g0 = as_h2(xv.x), g1 = as_h2(xv.y), u0 = as_h2(uv.x), u1 = as_h2(uv.y);
+        xv.x = as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), in.act),
+                                     gated_value(__high2half(g0), __high2half(u0), in.act)));
+        xv.y = as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), in.act),
+                                     gated_value(__high2half(g1), __high2half(u1), in.act)));
+    }
     const uint2 sv = *reinterpret_cast<const uint2*>(suh + k);
     const half2 p0 = __hmul2(as_h2(xv.x), as_h2(sv.x));
     const half2 p1 = __hmul2(as_h2(xv.y), as_h2(sv.y));
@@ -110,7 +165,7 @@ __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* _
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
     half2 o0, o1;
-    prep_lane_xh(x, ldx, suh, r, k, lane, o0, o1);
+    prep_lane_xh(PrepInput{x, ldx, nullptr, 0, 0}, suh, r, k, lane, o0, o1);
     *reinterpret_cast<uint2*>(xh + (size_t)r * in + k) = make_uint2(as_u32(o0), as_u32(o1));
     if (!sq) return;
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
@@ -141,19 +196,29 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //   F16: lane = (r % 8) * 4 + cq, word kk / 8 of the lane's pair, half kk % 2; group r / 8.
 //   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
 //        group r / 4.
-__global__ void prep_frag_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
+__global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
                                  float* __restrict__ csum, int rows, int in, int ng) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
+    pdl_wait_primary();
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
+    {  // segment blockIdx.y of a grouped product: its own signs and output series
+        const int seg = blockIdx.y;
+        suh += (size_t)seg * in;
+        xb += (size_t)seg * (in >> 4) * ng * 32 * (scales ? 4 : 2);
+        if (scales) {
+            scales += (size_t)seg * rows * nch;
+            csum += (size_t)seg * rows * nch;
+        }
+    }
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (task >= rows * nch) return;
     const int r = task / nch;
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
     half2 o0, o1;
-    prep_lane_xh(x, ldx, suh, r, k, lane, o0, o1);
+    prep_lane_xh(x, suh, r, k, lane, o0, o1);
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -186,12 +251,13 @@ __global__ void prep_frag_kernel(const half* __restrict__ x, int ldx, const half
 }
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
-                      float* csum, int rows, int in, int ng, cudaStream_t stream) {
-    if (in % 128 || rows < 1) return cudaErrorInvalidValue;
+                      float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
+                      const half* up, int ldu, int act) {
+    if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
     const long tasks = (long)rows * (in / 128);
-    prep_frag_kernel<<<(unsigned)((tasks + 7) / 8), 256, 0, stream>>>(x, ldx, suh, xb, scales, csum,
-                                                                      rows, in, ng);
-    return cudaGetLastError();
+    const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
+    return launch_glue(prep_frag_kernel, grid, dim3(256), stream, PrepInput{x, ldx, up, ldu, act}, suh, xb,
+                       scales, csum, rows, in, ng);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
@@ -351,6 +417,8 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 __global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restrict__ residual,
                                 const half* __restrict__ w, half* __restrict__ y,
                                 half* __restrict__ residual_out, int n, float eps) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
     __shared__ float scratch[32];
     const size_t base = (size_t)blockIdx.x * n;
     const half2* x2 = reinterpret_cast<const half2*>(x + base);
@@ -381,8 +449,8 @@ cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y
                      half* residual_out, int rows, int n, float eps, cudaStream_t stream) {
     if (n % 2 || rows < 1 || (residual && !residual_out)) return cudaErrorInvalidValue;
     const int threads = n >= 4096 ? 1024 : (n >= 1024 ? 512 : 128);
-    rms_norm_kernel<<<rows, threads, 0, stream>>>(x, residual, w, y, residual_out, n, eps);
-    return cudaGetLastError();
+    return launch_glue(rms_norm_kernel, dim3(rows), dim3(threads), stream, x, residual, w, y, residual_out,
+                       n, eps);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,22 +459,14 @@ cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y
 __global__ void gated_act_kernel(const half* __restrict__ gate, const half* __restrict__ up,
                                  half* __restrict__ y, int rows, int n, int ld_gate, int ld_up,
                                  int act) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
     const long total = (long)rows * n;
     for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (long)gridDim.x * blockDim.x) {
         const int r = (int)(idx / n);
         const int c = (int)(idx - (long)r * n);
-        const float g = __half2float(gate[(size_t)r * ld_gate + c]);
-        float a;
-        if (act == 0) {
-            a = g / (1.f + __expf(-g));
-        } else if (act == 1) {
-            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-            a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
-        } else {
-            a = 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
-        }
-        y[idx] = __hmul(__float2half_rn(a), up[(size_t)r * ld_up + c]);
+        y[idx] = gated_value(gate[(size_t)r * ld_gate + c], up[(size_t)r * ld_up + c], act);
     }
 }
 
@@ -415,45 +475,70 @@ cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n
     if (rows < 1 || n < 1 || act < 0 || act > 2) return cudaErrorInvalidValue;
     const long total = (long)rows * n;
     const long blocks = (total + 255) / 256;
-    gated_act_kernel<<<(unsigned)(blocks < 65535 * 8 ? blocks : 65535 * 8), 256, 0, stream>>>(
-        gate, up, y, rows, n, ld_gate, ld_up, act);
-    return cudaGetLastError();
+    return launch_glue(gated_act_kernel, dim3((unsigned)(blocks < 65535 * 8 ? blocks : 65535 * 8)), dim3(256),
+                       stream, gate, up, y, rows, n, ld_gate, ld_up, act);
 }
 
 // ---------------------------------------------------------------------------------------------
-// RoPE, rotate-half convention, on q and k in one launch and in place. One block per token;
-// each thread rotates pairs (i, i + d/2) of some head. Rounds like the PyTorch fp16 ops it
+// RoPE, rotate-half convention, on q and k in one launch and in place. Blocks (token, slice);
+// each thread rotates one pair (i, i + d/2) of some head. Rounds like the PyTorch fp16 ops it
 // replaces (x*cos and rot(x)*sin each rounded, then their sum), so both paths give the same bits.
 
 __global__ void rope_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ cos,
                             const half* __restrict__ sin, int T, int hq, int hk, int d,
-                            long q_batch, long q_tok, long k_batch, long k_tok) {
+                            long q_batch, long q_tok, long k_batch, long k_tok, KvStore st) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
     const int b = blockIdx.x / T, t = blockIdx.x - b * T;
+    // With a KV store: this token's slot in the cache (its position lives on the device, so a
+    // replayed CUDA graph writes where the cache has got to).
+    half* kc = nullptr;
+    half* vc = nullptr;
+    const half* vrow = nullptr;
+    const long slot = st.kc ? *st.pos + t : 0;
+    if (st.kc && slot >= 0 && slot < st.slots) {
+        kc = st.kc + b * st.c_batch + slot * st.c_tok;
+        vc = st.vc + b * st.c_batch + slot * st.c_tok;
+        vrow = st.v + b * st.v_batch + t * st.v_tok;
+    }
     const int half_d = d >> 1;
     const half* c = cos + (size_t)t * d;
     const half* s = sin + (size_t)t * d;
     half* qrow = q + b * q_batch + t * q_tok;
     half* krow = k + b * k_batch + t * k_tok;
     const int pairs = (hq + hk) * half_d;
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    // One thread per rotated pair, then (with a store) one per value copied into the cache,
+    // spread over blockIdx.y: a decode step's one token fills ~30 blocks instead of looping in one.
+    const int p = blockIdx.y * blockDim.x + threadIdx.x;
+    if (p < pairs) {
         const int head = p / half_d, i = p - head * half_d;
         half* base = head < hq ? qrow + (size_t)head * d : krow + (size_t)(head - hq) * d;
         const half lo = base[i], hi = base[i + half_d];
         // _rn forms: a plain mul + add may be contracted into one fma, which rounds once less
-        base[i] = __hadd_rn(__hmul_rn(lo, c[i]), __hmul_rn(__hneg(hi), s[i]));
-        base[i + half_d] = __hadd_rn(__hmul_rn(hi, c[i + half_d]), __hmul_rn(lo, s[i + half_d]));
+        const half r0 = __hadd_rn(__hmul_rn(lo, c[i]), __hmul_rn(__hneg(hi), s[i]));
+        const half r1 = __hadd_rn(__hmul_rn(hi, c[i + half_d]), __hmul_rn(lo, s[i + half_d]));
+        base[i] = r0;
+        base[i + half_d] = r1;
+        if (kc && head >= hq) {
+            half* dst = kc + (size_t)(head - hq) * st.c_head;
+            dst[i] = r0;
+            dst[i + half_d] = r1;
+        }
+    } else if (vc && p - pairs < hk * d) {
+        const int e = p - pairs, head = e / d, i = e - head * d;
+        vc[(size_t)head * st.c_head + i] = vrow[(size_t)head * d + i];
     }
 }
 
 cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
                     int hk, int d, long q_batch, long q_tok, long k_batch, long k_tok,
-                    cudaStream_t stream) {
+                    const KvStore& store, cudaStream_t stream) {
     if (batch < 1 || T < 1 || d % 2 || hq < 0 || hk < 0) return cudaErrorInvalidValue;
-    const int pairs = (hq + hk) * (d / 2);
-    const int threads = pairs >= 1024 ? 512 : (pairs >= 256 ? 256 : 64);
-    rope_kernel<<<batch * T, threads, 0, stream>>>(q, k, cos, sin, T, hq, hk, d, q_batch, q_tok,
-                                                   k_batch, k_tok);
-    return cudaGetLastError();
+    const int work = (hq + hk) * (d / 2) + (store.kc ? hk * d : 0);
+    const int threads = 128;
+    const dim3 grid((unsigned)(batch * T), (unsigned)((work + threads - 1) / threads));
+    return launch_glue(rope_kernel, grid, dim3(threads), stream, q, k, cos, sin, T, hq, hk, d, q_batch, q_tok,
+                       k_batch, k_tok, store);
 }
 
 }  // namespace trellis

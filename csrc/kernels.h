@@ -35,6 +35,10 @@ struct MmArgs {
     // Version 3: launch with programmatic dependent launch (sm_90+), so the product's blocks start
     // and fetch trellis while the prep kernel before it still runs.
     bool pdl = false;
+    // Version 3, grouped product: the trellis is several linears concatenated along the columns;
+    // segment s + 1 starts at column seg_cols[s] (unused entries stay past any column) and has
+    // its own activations in xb (and, on the I8 path, its own scales and chunk sums).
+    int seg_cols[3] = {0x7fffffff, 0x7fffffff, 0x7fffffff};
 };
 
 // xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
@@ -46,8 +50,13 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // scales/csum non-null (MUL1 integer path, rows <= 8): two int8 passes of xh per 128-chunk, each
 // value repeated in 4 bytes, fragment groups of 4 rows (ng = 1 or 2), plus the steps and chunk
 // sums; otherwise fp16 fragments in groups of 8 rows (ng = 1, 2 or 4).
+// nseg > 1 (grouped product): suh is [nseg, in] and segment s writes its own xb (and scales,
+// csum) series right after segment s - 1's, in one launch.
+// up != nullptr: the input is act(x) * up (act 0 SiLU, 1 GELU tanh, 2 GELU erf), rounded as
+// gated_act rounds it: a gated MLP's down projection without the separate activation launch.
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
-                      float* csum, int rows, int in, int ng, cudaStream_t stream);
+                      float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
+                      const half* up = nullptr, int ldu = 0, int act = 0);
 
 // Groups of B columns the version-3 kernel uses for m rows (the xb layout depends on it).
 inline int gemv_groups(int m, bool int8) {
@@ -89,11 +98,24 @@ cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
                       int ld_up, int act, cudaStream_t stream);
 
+// Where rope_qk also stores this step's k (rotated) and v: caches [batch, hk, slots, d] with
+// element strides c_batch, c_head, c_tok (c_dim 1), token t written at slot *pos + t; v is
+// [batch, T, hk, d] like k (heads contiguous). kc == nullptr: no store.
+struct KvStore {
+    half* kc = nullptr;
+    half* vc = nullptr;
+    const half* v = nullptr;
+    const int64_t* pos = nullptr;
+    long c_batch = 0, c_head = 0, c_tok = 0, v_batch = 0, v_tok = 0;
+    long slots = 0;  // a slot past the end is not written
+};
+
 // RoPE (rotate-half) on q [batch, T, hq, d] and k [batch, T, hk, d] in place, heads contiguous
-// within a token; cos, sin [T, d]. Strides in elements.
+// within a token; cos, sin [T, d]. Strides in elements. With store.kc set, the rotated k and v
+// also go into the KV cache in the same launch.
 cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
                     int hk, int d, long q_batch, long q_tok, long k_batch, long k_tok,
-                    cudaStream_t stream);
+                    const KvStore& store, cudaStream_t stream);
 
 // Tail-biting Viterbi encoder (spec 5.6, same result as engine/quantize/viterbi.py): targets fp32
 // [n, 256] in stream order, lut the codebook's 65536 fp16 values, states int32 [n, 256]. `blocks`

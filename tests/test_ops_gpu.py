@@ -172,6 +172,60 @@ def test_cuda_graph_capture_of_product():
     assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
 
 
+@pytest.mark.parametrize("K,cb", [(1, "mul1"), (2, "3inst"), (3, "mcg"), (4, "mul1"), (4, "3inst"), (5, "mcg"), (6, "mul1"), (8, "3inst")])
+def test_grouped_product_matches_members(K, cb):
+    """q/k/v-like members of unequal widths in one launch: each output as its own reference
+    product, for the fused rows and the reconstruct-then-cuBLAS prefill path; with a bias on
+    one member only, and warp ranges that cross member boundaries (small layers, many warps)."""
+    outs = (384, 128, 256)
+    members = [rand_layer(512, n, K, cb, seed=300 + 10 * K + i, bias=(i == 1)) for i, n in enumerate(outs)]
+    wants_w = [fmt.reconstruct(t.trellis, cb) for t in members]
+    g = ops.join_linears(members)
+    assert g.seg_cols == [384, 512]
+    # 8 units per warp keeps warp ranges inside column groups here; 5 and 3 make them cross
+    for min_units, rows in itertools.chain(((8, r) for r in (1, 2, 8, 17, 32, 200)), ((5, 1), (3, 1), (3, 8), (5, 32))):
+        ops.extension().set_gemv_min_units(min_units)
+        x = torch.randn(rows, 512, device=DEV).half()
+        got = ops.exl3_gemm_group(x, g)
+        for t, w, y in zip(members, wants_w, got):
+            want = fmt.exl3_matmul_reference(x.float(), t, w)
+            assert y.shape == want.shape
+            assert rel_rms(y, want) < 2e-3, (rows, t.out_features)
+        # every member alone (a contiguous copy of its view of the joined trellis) agrees too
+        if rows == 1 and min_units == 8:
+            solo = [ops.exl3_gemm(x, fmt.EXL3Tensors(t.trellis.contiguous(), t.suh, t.svh.contiguous(), cb,
+                                                      None if t.bias is None else t.bias.contiguous()))
+                    for t in members]
+            for y, z in zip(got, solo):
+                assert rel_rms(y, z) < 2e-3
+    ops.extension().set_gemv_min_units(8)
+    # the workspace and counters are left zeroed: a second call is as right as the first (the
+    # cross-warp sums are atomic adds, so the two may differ in the last bit, not more)
+    x = torch.randn(3, 512, device=DEV).half()
+    first = [y.clone() for y in ops.exl3_gemm_group(x, g)]
+    for a, b in zip(first, ops.exl3_gemm_group(x, g)):
+        assert rel_rms(b, a) < 1e-3
+    for w in ops._workspaces.values():
+        assert float(w.abs().max()) == 0.0
+
+
+def test_grouped_projections_keep_model_logits(tmp_path):
+    from bench.synth import SHAPES, write_synth_model
+    from engine.models import load_model
+    from engine.models.layers import split_projections
+
+    d = write_synth_model(tmp_path / "tiny", SHAPES["tiny"], 4.0, head_bits=6, codebook="3inst", device="cuda")
+    model = load_model(d, device="cuda")
+    ids = torch.tensor([[1, 5, 9, 200, 3, 7, 11]], device=DEV)
+    with torch.inference_mode():
+        grouped = model(ids).float()
+        grouped_step = model(ids[:, :1]).float()
+        assert split_projections(model) == 2 * SHAPES["tiny"].layers
+        alone = model(ids).float()
+        alone_step = model(ids[:, :1]).float()
+    assert rel_rms(grouped, alone) < 2e-3 and rel_rms(grouped_step, alone_step) < 2e-3
+
+
 def test_whole_model_logits_gpu_match_cpu(ref_fixtures):
     import json
 
@@ -192,3 +246,70 @@ def test_whole_model_logits_gpu_match_cpu(ref_fixtures):
         assert rel_rms(got, want) < 3e-2, d.name
         agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
         assert agree >= 0.8, (d.name, float(agree))
+
+
+def test_rope_store_matches_rope_then_cache_write():
+    """One decode step's RoPE + KV-cache write in one kernel: the same bits as the RoPE kernel
+    followed by index_copy_ into the cache, at the slot the device-side position names."""
+    B, H, Hk, D, slots = 2, 8, 2, 64, 32
+    g = torch.Generator(device=DEV).manual_seed(5)
+    qkv = torch.randn(B, 1, (H + 2 * Hk) * D, generator=g, device=DEV).half()
+    cos = torch.randn(1, D, generator=g, device=DEV).half()
+    sin = torch.randn(1, D, generator=g, device=DEV).half()
+    position = torch.tensor([7], device=DEV)
+
+    def split(t):  # strided views, as the grouped q/k/v product hands them over
+        q, k, v = t.split([H * D, Hk * D, Hk * D], dim=-1)
+        return q.view(B, 1, H, D), k.view(B, 1, Hk, D), v.view(B, 1, Hk, D)
+
+    caches = [torch.randn(B, Hk, slots, D, generator=g, device=DEV).half() for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    q, k, v = split(qkv.clone())
+    wq, wk = ops.rope_qk(*split(qkv.clone())[:2], cos, sin)
+    want_caches[0].index_copy_(2, position, wk.transpose(1, 2))
+    want_caches[1].index_copy_(2, position, split(qkv)[2].transpose(1, 2))
+    gq, gk = ops.rope_qk_store(q, k, v, cos, sin, caches[0], caches[1], position)
+    assert torch.equal(gq, wq) and torch.equal(gk, wk)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    # a position past the last slot writes nothing (no out-of-bounds store)
+    before = [c.clone() for c in caches]
+    ops.rope_qk_store(*split(qkv.clone()), cos, sin, caches[0], caches[1], torch.tensor([slots], device=DEV))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_input_product_matches_act_then_product(act):
+    """The down projection's prep computing act(gate) * up itself: the same bits go into the
+    product as from gated_act (so the outputs agree to the atomics' last-bit order), for gate and
+    up as views of one grouped output, the int8 path, and row counts past one fused chunk."""
+    n_in, n_out = 1024, 512
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=41, bias=True)
+    for rows, int8 in ((1, False), (8, False), (17, False), (1, True), (8, True), (200, False)):
+        gu = torch.randn(rows, 2 * n_in, device=DEV).half() * 2
+        gate, up = gu[:, :n_in], gu[:, n_in:]
+        a = ops.gated_act(gate, up, act)
+        want = fmt.exl3_matmul_reference(a.float(), t)
+        sep = ops.exl3_gemm(a, t, int8=int8, mode="fused")
+        fused = ops.exl3_gemm(gate, t, up=up, act=act, int8=int8, mode="fused")
+        assert fused.shape == (rows, n_out)
+        assert rel_rms(fused, sep) < 1e-3, (rows, int8)
+        assert rel_rms(fused, want) < 2e-3, (rows, int8)
+
+
+def test_static_cache_gpu_mask_is_additive_and_same_attention():
+    from engine.cache.static import StaticKVCache
+    from engine.models.layers import attention
+    cache = StaticKVCache(1, 1, 2, 64, 300, torch.float16, DEV, min_span=16)
+    cache.length = 9
+    cache.position.fill_(9)
+    for window in (None, 4):
+        m = cache.mask(1, window)
+        assert m.dtype == torch.float16 and m.shape == (1, 16)
+        keys = torch.arange(16, device=DEV)
+        allowed = (keys <= 9) & ((keys > 9 - window) if window else True)
+        assert torch.equal(m[0] == 0, allowed) and bool(torch.isneginf(m[0][~allowed]).all())
+        q = torch.randn(1, 4, 1, 64, device=DEV).half()
+        k, v = torch.randn(2, 1, 2, 16, 64, device=DEV).half()
+        got = attention(q, k, v, m, 0.125)
+        want = attention(q, k, v, allowed[None, :], 0.125)
+        assert rel_rms(got, want) < 1e-3

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import ops
 from engine.cache.contiguous import KVCache
 
 MIN_SPAN = 256
@@ -51,13 +52,18 @@ class StaticKVCache(KVCache):
         return self.position.clone()
 
     def mask(self, new_tokens: int, window: int | None) -> torch.Tensor | None:
-        """For one token: bool [1, span], True for the slots at positions p-window < k <= p."""
+        """For one token: [1, span] of the slots at positions p-window < k <= p; bool (True =
+        may attend), or on the GPU additive (0 / -inf in the cache dtype): SDPA turns a bool mask
+        into that itself, in three kernels per layer, where this is three per token."""
         if new_tokens > 1:
             return super().mask(new_tokens, window)
         keys = self.slots[:self.span(1)]
         allowed = keys <= self.position
         if window is not None:
             allowed &= keys > self.position - window
+        if self.device.type == "cuda":
+            additive = torch.zeros(allowed.shape, dtype=self.keys[0].dtype, device=self.device)
+            return additive.masked_fill_(~allowed, float("-inf"))[None, :]
         return allowed[None, :]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +75,15 @@ class StaticKVCache(KVCache):
         self.values[layer].index_copy_(2, self.position, v)
         span = self.span(1)
         return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+
+    def rope_update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE and `update` for one token in one step (one kernel on the GPU). q, k, v come as the
+        projections give them, [B, 1, heads, D]; returns q [B, H, 1, D] and the keys and values
+        of the span, like update."""
+        q, _ = ops.rope_qk_store(q, k, v, cos, sin, self.keys[layer], self.values[layer], self.position)
+        span = self.span(1)
+        return q.transpose(1, 2), self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
     def advance(self, new_tokens: int) -> None:
         super().advance(new_tokens)

@@ -7,6 +7,7 @@ architecture lists candidates and the first whose embedding exists wins.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,7 @@ from engine.io.safetensors_io import TensorStore
 from engine.models.base import CausalLM
 from engine.models.decoder import DecoderLM
 from engine.models.gemma import GemmaLM
+from engine.models.layers import fuse_projections
 from engine.models.loading import WeightLoader
 
 __all__ = ["CausalLM", "ModelConfig", "load_model", "MODEL_CLASSES", "TENSOR_LAYOUTS", "SUPPORTED_ARCHITECTURES"]
@@ -58,6 +60,10 @@ TENSOR_LAYOUTS: dict[str, tuple[TensorLayout, ...]] = {
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_CLASSES))
 
+# q/k/v and gate/up of compressed EXL3 layers computed as one grouped product each (on by default;
+# TRELLIS_GROUP=0 keeps one product per linear).
+GROUPED_PRODUCTS = os.environ.get("TRELLIS_GROUP", "1") != "0"
+
 
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.float32
@@ -92,4 +98,6 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         model = MODEL_CLASSES[config.architecture](config, loader, layout.prefix, layout.head_key, progress)
     finally:
         store.close()
+    if GROUPED_PRODUCTS:
+        fuse_projections(model)  # q/k/v and gate/up as one product each where the GPU kernels run
     return model.eval()

@@ -21,9 +21,10 @@ from torch import nn
 
 from engine import ops
 from engine.cache.contiguous import KVCache
+from engine.cache.static import StaticKVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, attention
+from engine.models.layers import GatedMLP, QuantLinearGroup, attention
 from engine.models.loading import WeightLoader
 from engine.models.rope import RotaryEmbedding
 
@@ -50,19 +51,32 @@ class Attention(nn.Module):
         self.is_local = c.local_rope is not None and c.rope_for_layer(layer) is c.local_rope
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcapping
+        self.qkv: QuantLinearGroup | None = None  # set by fuse_projections on the GPU
+
+    def fuse_projections(self, device_type: str | None) -> bool:
+        if self.qkv is None:
+            self.qkv = QuantLinearGroup.build([self.q_proj, self.k_proj, self.v_proj], device_type)
+        return self.qkv is not None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope_qk(q, k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
+        if T == 1 and isinstance(cache, StaticKVCache):  # a decode step: RoPE and cache write in one
+            q, k, v = cache.rope_update(self.layer, q, k, v, cos, sin)
+        else:
+            q, k = ops.rope_qk(q, k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)
         out = attention(q, k, v, mask, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 

@@ -102,6 +102,72 @@ class QuantLinear(DenseLinear):
             return ops.exl3_linear(x, self.exl3, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
+    def gated_forward(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+        """self(gated_act(gate, up, act)); compressed on the GPU, the activation is computed by
+        the product's input prep instead of a launch of its own."""
+        if self.compressed:
+            return ops.exl3_linear(gate, self.exl3, self.out_features, up=up, act=act)
+        return self(ops.gated_act(gate, up, act))
+
+
+class QuantLinearGroup:
+    """QuantLinears that read the same input (q/k/v, gate/up) computed by one grouped product.
+
+    A plain object, not a module: the members stay registered where the model put them (their
+    EXL3 tensors become views into the joined copy), so state and module trees do not change.
+    """
+
+    def __init__(self, members: list[QuantLinear]):
+        self.group = ops.join_linears([m.exl3 for m in members])
+        self.out_features = [m.out_features for m in members]
+
+    @staticmethod
+    def build(members: list[nn.Module], device_type: str | None = "cuda") -> "QuantLinearGroup | None":
+        """The group, or None where one launch cannot serve them (dense linears, different K,
+        codebook or input width, not on `device_type`; None: any device)."""
+        if not all(isinstance(m, QuantLinear) and m.compressed for m in members):
+            return None
+        if device_type is not None and any(m.exl3.trellis.device.type != device_type for m in members):
+            return None
+        if not ops.can_group([m.exl3 for m in members]):
+            return None
+        return QuantLinearGroup(members)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return ops.exl3_linear_group(x, self.group, self.out_features)
+
+    def split(self) -> None:
+        """Give every member its own contiguous tensors again (one launch each afterwards)."""
+        for t in self.group.members:
+            t.trellis, t.svh = t.trellis.contiguous(), t.svh.contiguous()
+            if t.bias is not None:
+                t.bias = t.bias.contiguous()
+
+
+def fuse_projections(model: nn.Module, device_type: str | None = "cuda") -> int:
+    """Group each attention's q/k/v and each gated MLP's gate/up into one product where they are
+    compressed EXL3 linears on `device_type` (None: any device, for tests). Returns how many
+    groups were made."""
+    n = 0
+    for mod in model.modules():
+        fuse = getattr(mod, "fuse_projections", None)
+        if fuse is not None and fuse(device_type):
+            n += 1
+    return n
+
+
+def split_projections(model: nn.Module) -> int:
+    """Undo fuse_projections (benchmarks time the model both ways in one run). Returns how many
+    groups were split."""
+    n = 0
+    for mod in model.modules():
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, QuantLinearGroup):
+                value.split()
+                setattr(mod, name, None)
+                n += 1
+    return n
+
 
 def _sdpa_supports_gqa() -> bool:
     """torch >= 2.5 attends grouped KV heads without copying them (`enable_gqa`)."""
@@ -121,7 +187,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """Scaled dot-product attention with grouped KV heads.
 
     q [B, H, T, D]; k, v [B, Hkv, S, D] with the T queries at the last T of the S positions.
-    `mask` is a bool [T, S] (True = may attend) or None for plain causal attention.
+    `mask` is a bool [T, S] (True = may attend), an additive float one, or None for plain causal
+    attention.
     Soft-capping (Gemma 2) squashes the scores before softmax, which SDPA cannot do, so that
     case runs the same math by hand.
     """
@@ -150,9 +217,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = causal_mask(S - T, T, None, q.device)
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = apply_mask(scores, mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores with a mask applied as SDPA applies it: bool (True = may attend) or additive."""
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -165,7 +239,7 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     qg = q.reshape(B, kv_heads, H // kv_heads, D)
     scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [B, Hkv, groups, S]
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = apply_mask(scores, mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).reshape(B, H, 1, D)
 
@@ -184,6 +258,18 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act_name = check_activation(act)
+        self.gate_up: QuantLinearGroup | None = None
+
+    def fuse_projections(self, device_type: str | None) -> bool:
+        if self.gate_up is None:
+            self.gate_up = QuantLinearGroup.build([self.gate_proj, self.up_proj], device_type)
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.gated_act(self.gate_proj(x), self.up_proj(x), self.act_name))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj.gated_forward(gate, up, self.act_name)
+        return self.down_proj(ops.gated_act(gate, up, self.act_name))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats import exl3 as _fmt
+from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
@@ -125,36 +126,43 @@ def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None,
-              version: int | None = None) -> torch.Tensor:
+              version: int | None = None, up: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
     """y = x @ W (+ bias) for an EXL3 linear `t` (EXL3Tensors-like: trellis, suh, svh,
     codebook, bias). x [..., in] (zero-extended if shorter than the padded `in`); returns
     [..., out_padded] in x's dtype on the CUDA path, fp32 on the reference path.
 
     mode: "auto" (fused kernel up to FUSED_MAX_ROWS rows, else reconstruct + cuBLAS), "fused",
     "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
-    m <= 8 (None = INT8_PATH)."""
+    m <= 8 (None = INT8_PATH). up: the input is gated_act(x, up, act) instead of x; the fused
+    kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer)."""
     in_f = t.trellis.shape[0] * 16
+    version = MM_VERSION if version is None else version
+    fused = mode == "fused" or (mode == "auto" and x.numel() // max(x.shape[-1], 1) <= FUSED_MAX_ROWS)
+    if up is not None:
+        if act not in _ACT_IDS:
+            raise ValueError(f"unsupported activation {act!r}")
+        if not (GLUE_KERNELS and fused and version == 3 and x.shape == up.shape and x.shape[-1] == in_f
+                and _use_cuda(x, up, t.suh, t.svh) and t.trellis.is_cuda):
+            x, up = gated_act(x, up, act), None
     if x.shape[-1] < in_f:
         x = F.pad(x, (0, in_f - x.shape[-1]))
     if mode == "torch" or not _use_cuda(x, t.suh, t.svh) or not t.trellis.is_cuda:
         return _fmt.exl3_matmul_reference(x, t)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_f)
-    if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
-        x2 = x2.contiguous()
+    x2 = _kernel_rows(x, in_f)
     rows = x2.shape[0]
     out_f = t.trellis.shape[1] * 16
     bias = t.bias
     if bias is not None and bias.numel() != out_f:
         bias = F.pad(bias, (0, out_f - bias.numel()))
     ext = extension()
-    if mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS):
+    if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
         use_i8 = INT8_PATH if int8 is None else int8
-        version = MM_VERSION if version is None else version
         counters = block_counters(x.device, out_f // 128) if version == 3 else None
+        up2 = None if up is None else _kernel_rows(up, in_f)
         y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8),
-                          version, counters)
+                          version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0)
     else:
         xh = ext.had128(x2, t.suh, None, None)
         w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])
@@ -163,9 +171,54 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     return y.reshape(*lead, out_f)
 
 
-def exl3_linear(x: torch.Tensor, t, out_features: int | None = None) -> torch.Tensor:
-    """A model's quantized linear: exl3_gemm, trimmed to the logical width, in x's dtype."""
-    y = exl3_gemm(x, t)
+def _kernel_rows(x: torch.Tensor, in_f: int) -> torch.Tensor:
+    """x as the [rows, in] matrix the product kernels read: unit column stride, rows 8-byte aligned."""
+    x2 = x.reshape(-1, in_f)
+    if x2.stride(-1) != 1 or x2.stride(0) % 4 or x2.data_ptr() % 8:
+        x2 = x2.contiguous()
+    return x2
+
+
+def exl3_gemm_group(x: torch.Tensor, g: EXL3Group, *, mode: str = "auto") -> list[torch.Tensor]:
+    """[x @ W_i (+ bias_i) for each member i of the group], each [..., out_i padded]. On the GPU
+    one prep and one product launch serve every member (the fp16 path: the int8 path's per-member
+    scales would need their own launches); prefills reconstruct the joined W-hat once.
+    Elsewhere each member's reference product."""
+    in_f = g.trellis.shape[0] * 16
+    if x.shape[-1] < in_f:
+        x = F.pad(x, (0, in_f - x.shape[-1]))
+    if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda:
+        return [_fmt.exl3_matmul_reference(x, t) for t in g.members]
+    lead = x.shape[:-1]
+    x2 = _kernel_rows(x, in_f)
+    rows = x2.shape[0]
+    out_f = g.trellis.shape[1] * 16
+    ext = extension()
+    cb = CODEBOOK_IDS[g.codebook]
+    if mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS):
+        ws = workspace(x.device, min(rows, 32) * out_f)
+        counters = block_counters(x.device, out_f // 128)
+        y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, 0, 3, counters, g.seg_cols, None, 0)
+    else:
+        w_hat = ext.exl3_reconstruct(g.trellis, cb)
+        z = torch.cat([torch.matmul(ext.had128(x2.contiguous(), g.suh[i], None, None), w_hat[:, a:b])
+                       for i, (a, b) in enumerate(g.bounds)], dim=-1)
+        y = ext.had128(z, None, g.svh, g.bias)
+    y = y.reshape(*lead, out_f)
+    return [y[..., a:b] for a, b in g.bounds]
+
+
+def exl3_linear_group(x: torch.Tensor, g: EXL3Group, out_features: list[int]) -> list[torch.Tensor]:
+    """A model's grouped linears (q/k/v, gate/up): exl3_gemm_group, each output trimmed to its
+    logical width, in x's dtype."""
+    return [(y if y.shape[-1] == n else y[..., :n]).to(x.dtype) for y, n in zip(exl3_gemm_group(x, g), out_features)]
+
+
+def exl3_linear(x: torch.Tensor, t, out_features: int | None = None, *, up: torch.Tensor | None = None,
+                act: str = "silu") -> torch.Tensor:
+    """A model's quantized linear: exl3_gemm, trimmed to the logical width, in x's dtype. With
+    `up`, of gated_act(x, up, act) (fused into the product's prep on the GPU)."""
+    y = exl3_gemm(x, t, up=up, act=act)
     if out_features is not None and y.shape[-1] != out_features:
         y = y[..., :out_features]
     return y.to(x.dtype)
@@ -220,7 +273,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     heads_contiguous = all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k))
     if (GLUE_KERNELS and _use_cuda(q, k, cos, sin) and heads_contiguous and cos.shape == (q.shape[1], D)
             and cos.is_contiguous() and sin.is_contiguous()):
-        extension().rope_qk(q, k, cos, sin)
+        extension().rope_qk(q, k, cos, sin, None, None, None, None)
         return q, k
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
 
@@ -231,8 +284,28 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q * c + rot(q) * s, k * c + rot(k) * s
 
 
+def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor):
+    """rope_qk, then this step's k (rotated) and v [B, T, Hk, D] stored in the caches
+    [B, Hk, slots, D] at slots position .. position + T - 1 (`position`: a long [1] on the device,
+    so a CUDA graph can replay it). On the GPU one kernel does all of it, instead of three."""
+    D = q.shape[-1]
+    heads_contiguous = all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k, v))
+    if (GLUE_KERNELS and _use_cuda(q, k, v, cos, sin, k_cache, v_cache) and heads_contiguous
+            and cos.shape == (q.shape[1], D) and cos.is_contiguous() and sin.is_contiguous()
+            and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and position.is_cuda):
+        extension().rope_qk(q, k, cos, sin, v, k_cache, v_cache, position)
+        return q, k
+    q, k = rope_qk(q, k, cos, sin)
+    slots = position + torch.arange(k.shape[1], device=position.device)
+    k_cache.index_copy_(2, slots, k.transpose(1, 2))
+    v_cache.index_copy_(2, slots, v.transpose(1, 2))
+    return q, k
+
+
 __all__ = [
-    "exl3_gemm", "exl3_linear", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
-    "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "kernels_available", "kernels_enabled",
+    "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
+    "can_group", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
+    "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
     "extension",
 ]

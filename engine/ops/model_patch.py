@@ -9,16 +9,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers import QuantLinear
+from engine.models.layers import QuantLinear, fuse_projections
 
 
-def route_quant_linears(model: nn.Module, drop_dense: bool = True) -> int:
-    """Make every QuantLinear compute with ops.exl3_linear. Returns how many there are."""
+def route_quant_linears(model: nn.Module, drop_dense: bool = True, group: bool = True) -> int:
+    """Make every QuantLinear compute with ops.exl3_linear (and, with `group`, q/k/v and gate/up
+    on the GPU as one grouped product each). Returns how many QuantLinears there are."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.use_compressed(drop_dense)
             n += 1
+    if group:
+        fuse_projections(model)
     if drop_dense and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return n
