@@ -12,10 +12,10 @@ timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.
 echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 200 python3 -m bench.decode --paths cuda-graph cuda-graph-nopdl cuda-graph-nogroup --contexts 0 4096 --tokens 64 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
+timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
 # The previous version in the same run: a copy of an earlier commit's engine/csrc/bench under
 # .devcarry/prev (git archive <commit> engine csrc bench | tar -x -C .devcarry/prev), if present.
-if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 64 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi
+if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 128 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi
 echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -3 | tee -a $L; TRELLIS_GROUP=0 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -2 | sed "s/^/nogroup /" | tee -a $L
 SUM='import sys,json
@@ -25,16 +25,16 @@ for l in sys.stdin:
   if "us" in r: print(r["bench"],r.get("variant",""),r["path"],r["shape"],r["codebook"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r["reference_ratio_vs_fp16"],"GBps",r["trellis_GBps"])
   else: print(l.strip())'
 echo "== linear $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths fused fused2 --cache cold --calls 100 --warmup 10 2>&1 | tee $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
-timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 6 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | tee -a $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
+TRELLIS_INT8=0 timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths fused fused2 --cache cold --calls 100 --warmup 10 2>&1 | tee $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
+TRELLIS_INT8=0 timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 6 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | tee -a $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
 TRELLIS_INT8=1 timeout 30 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | python3 -c "$SUM" | sed 's/^/int8 /' | tee -a $L
-timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 2 --m 1 --cache cold --probe --paths fused --calls 100 --warmup 10 2>&1 | grep probe | python3 -c "$SUM" | tee -a $L
+TRELLIS_INT8=0 timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 2 --m 1 --cache cold --probe --paths fused --calls 100 --warmup 10 2>&1 | grep probe | python3 -c "$SUM" | tee -a $L
 echo "== linear, graph-replay timing (no host cost), grid cap sweep for small layers $(( $(date +%s)-t0 ))s" | tee -a $L
-for U in 8 4 2; do timeout 40 python3 -m bench.linear --timing graph --min-units $U --shapes 4096x1024 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph min_units=$U /" | tee -a $L; done
+for U in 8 4 2; do TRELLIS_INT8=0 timeout 40 python3 -m bench.linear --timing graph --min-units $U --shapes 4096x1024 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph min_units=$U /" | tee -a $L; done
 echo "== viterbi $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 40 python3 -m bench.viterbi 2>&1 | tail -10 | tee -a $L
 echo "== ncu $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu.txt 2>&1; grep -E "Throughput|Duration|Achieved Occupancy|Registers|Stall|Issue|Theoretical Occ|DRAM|Eligible|Active Warps" $OUT/ncu.txt | head -40 | tee -a $L
+TRELLIS_INT8=0 timeout 120 ncu --clock-control none -k regex:gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu.txt 2>&1; grep -E "Throughput|Duration|Achieved Occupancy|Registers|Stall|Issue|Theoretical Occ|DRAM|Eligible|Active Warps" $OUT/ncu.txt | head -40 | tee -a $L
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L
 echo "== decode, grid cap sweep $(( $(date +%s)-t0 ))s" | tee -a $L
 for U in 4 2; do TRELLIS_GV_MIN_UNITS=$U timeout 90 python3 -m bench.decode --paths cuda-graph --contexts 0 --tokens 64 2>&1 | grep tokens_per_s | sed "s/^/min_units=$U /" | tee -a $L; done

@@ -45,12 +45,23 @@ void check_trellis(const torch::Tensor& trellis) {
 // seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
 // concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
 // [linears, in] and svh, bias, y span all of them.
+// The norm arguments of the fused rows [r0, ...): the residual pointers move with x.
+trellis::PrepNorm chunk_norm(trellis::PrepNorm n, int64_t offset) {
+    if (n.residual) {
+        n.residual += offset;
+        n.residual_out += offset;
+    }
+    return n;
+}
+
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
                         torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,
                         int64_t version, c10::optional<torch::Tensor> counters,
                         std::vector<int64_t> seg_cols, c10::optional<torch::Tensor> up,
-                        int64_t act) {
+                        int64_t act, c10::optional<torch::Tensor> norm_w, double eps,
+                        c10::optional<torch::Tensor> residual,
+                        c10::optional<torch::Tensor> residual_out) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
@@ -74,6 +85,23 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                         up->stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(up->data_ptr()) % 8 == 0,
                     "up must be an fp16 CUDA matrix shaped like x with 8-byte aligned rows");
         TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (SiLU), 1 (GELU tanh) or 2 (GELU erf)");
+    }
+    trellis::PrepNorm norm;
+    if (norm_w.has_value()) {  // the input is rms_norm(x (+ residual)) * norm_w (q/k/v, gate/up)
+        TORCH_CHECK(version == 3 && !up.has_value() && x.is_contiguous(),
+                    "a normed input needs the version-3 product and a contiguous x");
+        check_half_vec(norm_w, in, "norm weight");
+        norm.w = hptr(*norm_w);
+        norm.eps = (float)eps;
+        if (residual.has_value()) {
+            TORCH_CHECK(residual_out.has_value(), "a residual needs residual_out");
+            for (const auto* t : {&*residual, &*residual_out})
+                TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->is_contiguous() &&
+                                t->sizes() == x.sizes(),
+                            "residual and residual_out must be contiguous fp16 CUDA tensors shaped like x");
+            norm.residual = hptr(*residual);
+            norm.residual_out = hptr_mut(*residual_out);
+        }
     }
     check_half_vec(suh, in * nseg, "suh");
     check_half_vec(svh, out, "svh");
@@ -143,7 +171,8 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                                              reinterpret_cast<uint32_t*>(xb.data_ptr()), sc, cs, rows,
                                              (int)in, trellis::gemv_groups(rows, use_i8), nseg, stream,
                                              up.has_value() ? hptr(*up) + r0 * up->stride(0) : nullptr,
-                                             up.has_value() ? (int)up->stride(0) : 0, (int)act));
+                                             up.has_value() ? (int)up->stride(0) : 0, (int)act,
+                                             chunk_norm(norm, r0 * in)));
         } else {
             CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
                                           use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,

@@ -96,18 +96,63 @@ __device__ __forceinline__ half gated_value(half gh, half u, int act) {
 
 // A product's input as the prep kernels read it: x itself, or act(x) * up where a gated MLP's
 // down projection takes its activation straight from the gate/up outputs (one launch fewer).
+// Or rms_norm(x (+ residual)) * norm_w, the input of q/k/v and gate/up: each warp takes its
+// row's statistics itself (the row is a few KB, read from L2), so the norm needs no launch of
+// its own; segment 0 writes x + residual, the residual stream, to res_out.
 struct PrepInput {
     const half* x;
     int ldx;
     const half* up;  // nullptr: plain input
     int ldu;
     int act;
+    const half* norm_w = nullptr;  // nullptr: no norm
+    const half* res = nullptr;     // row-major [rows, in] like x, optional
+    half* res_out = nullptr;       // required with res
+    float eps = 0.f;
 };
 
-// This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r.
+// x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
+__device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
+    uint2 v = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
+    if (in.res) {
+        const uint2 rv = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
+        v.x = as_u32(__hadd2(as_h2(v.x), as_h2(rv.x)));
+        v.y = as_u32(__hadd2(as_h2(v.y), as_h2(rv.y)));
+    }
+    return v;
+}
+
+// This lane's 4 normed values k..k+3 of row r (all 32 lanes of the warp take part).
+__device__ __forceinline__ uint2 normed_lane(const PrepInput& in, int r, int k, int lane, int n,
+                                             bool write_sum) {
+    float ss = 0.f;
+    uint2 own = make_uint2(0u, 0u);
+    // Unrolled so that several loads (of x and of the residual) are in flight per lane.
+#pragma unroll 8
+    for (int c = lane * 4; c < n; c += 128) {
+        const uint2 v = norm_input(in, r, c);
+        const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
+        ss += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+        if (c == k) own = v;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = rsqrtf(ss / n + in.eps);
+    if (write_sum && in.res) *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = own;
+    const uint2 w = *reinterpret_cast<const uint2*>(in.norm_w + k);
+    const float2 a = __half22float2(as_h2(own.x)), b = __half22float2(as_h2(own.y));
+    return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
+                      as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
+}
+
+// This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r; n is the
+// row length (the norm's statistics run over it) and write_sum selects the warps that store
+// x + residual.
 __device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const half* __restrict__ suh,
-                                             int r, int k, int lane, half2& o0, half2& o1) {
-    uint2 xv = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
+                                             int r, int k, int lane, half2& o0, half2& o1,
+                                             int n = 0, bool write_sum = false) {
+    uint2 xv = in.norm_w ? normed_lane(in, r, k, lane, n, write_sum)
+                         : *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
     if (in.up) {
         const uint2 uv = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
         const half2 g0 = as_h2(xv.x), g1 = as_h2(xv.y), u0 = as_h2(uv.x), u1 = as_h2(uv.y);
@@ -218,7 +263,7 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
     half2 o0, o1;
-    prep_lane_xh(x, suh, r, k, lane, o0, o1);
+    prep_lane_xh(x, suh, r, k, lane, o0, o1, in, blockIdx.y == 0);
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -252,12 +297,13 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
-                      const half* up, int ldu, int act) {
+                      const half* up, int ldu, int act, const PrepNorm& norm) {
     if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
+    if (norm.w && (up || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
-    return launch_glue(prep_frag_kernel, grid, dim3(256), stream, PrepInput{x, ldx, up, ldu, act}, suh, xb,
-                       scales, csum, rows, in, ng);
+    const PrepInput pin{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps};
+    return launch_glue(prep_frag_kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

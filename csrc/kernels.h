@@ -54,9 +54,18 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // csum) series right after segment s - 1's, in one launch.
 // up != nullptr: the input is act(x) * up (act 0 SiLU, 1 GELU tanh, 2 GELU erf), rounded as
 // gated_act rounds it: a gated MLP's down projection without the separate activation launch.
+// norm.w != nullptr: the input is rms_norm(x (+ norm.residual)) * norm.w over the whole row of
+// `in` values (x and residual row-major with stride ldx); x + residual goes to norm.residual_out.
+struct PrepNorm {
+    const half* w = nullptr;
+    const half* residual = nullptr;
+    half* residual_out = nullptr;
+    float eps = 0.f;
+};
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
-                      const half* up = nullptr, int ldu = 0, int act = 0);
+                      const half* up = nullptr, int ldu = 0, int act = 0,
+                      const PrepNorm& norm = PrepNorm{});
 
 // Groups of B columns the version-3 kernel uses for m rows (the xb layout depends on it).
 inline int gemv_groups(int m, bool int8) {

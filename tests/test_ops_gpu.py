@@ -198,6 +198,14 @@ def test_grouped_product_matches_members(K, cb):
                     for t in members]
             for y, z in zip(got, solo):
                 assert rel_rms(y, z) < 2e-3
+    # the MUL1 integer path: each member's own int8 steps and row sums in the one launch
+    if cb == "mul1":
+        for min_units, rows in ((8, 1), (8, 4), (8, 8), (3, 1), (5, 6)):
+            ops.extension().set_gemv_min_units(min_units)
+            x = torch.randn(rows, 512, device=DEV).half()
+            got = ops.exl3_gemm_group(x, g, int8=True)
+            for t, w, y in zip(members, wants_w, got):
+                assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, ("int8", rows, t.out_features)
     ops.extension().set_gemv_min_units(8)
     # the workspace and counters are left zeroed: a second call is as right as the first (the
     # cross-warp sums are atomic adds, so the two may differ in the last bit, not more)
@@ -313,3 +321,23 @@ def test_static_cache_gpu_mask_is_additive_and_same_attention():
         got = attention(q, k, v, m, 0.125)
         want = attention(q, k, v, allowed[None, :], 0.125)
         assert rel_rms(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_pending_norm_computed_in_the_grouped_prep(with_residual):
+    """q/k/v reading rms_norm(x + residual) * w straight from the prep: the same products as
+    from the norm kernel's output (up to the order of the row's sum of squares), and x + residual
+    written bit for bit, for the fp16 and int8 paths and more rows than one fused pass."""
+    members = [rand_layer(512, n, 4, "mul1", seed=500 + i) for i, n in enumerate((384, 128, 128))]
+    g = ops.join_linears(members)
+    w = (torch.rand(512, device=DEV) + 0.5).half()
+    for rows, int8 in ((1, False), (1, True), (5, True), (40, False), (70, False)):
+        x = torch.randn(1, rows, 512, device=DEV).half()
+        r = torch.randn(1, rows, 512, device=DEV).half() if with_residual else None
+        p = ops.PendingNorm(x, w, 1e-5, r)
+        got = ops.exl3_gemm_group(p, g, mode="fused", int8=int8)
+        h, s = ops.add_rms_norm(x, r, w, 1e-5) if with_residual else (ops.rms_norm(x, w, 1e-5), x)
+        want = ops.exl3_gemm_group(h, g, mode="fused", int8=int8)
+        assert p.normed is None and torch.equal(ops.as_sum(p), s), rows
+        for a, b in zip(got, want):
+            assert rel_rms(a, b) < 1e-3, (rows, int8)

@@ -58,12 +58,13 @@ class Attention(nn.Module):
             self.qkv = QuantLinearGroup.build([self.q_proj, self.k_proj, self.v_proj], device_type)
         return self.qkv is not None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: "torch.Tensor | ops.PendingNorm", cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         if self.qkv is not None:
-            q, k, v = self.qkv(x)
+            q, k, v = self.qkv(x)  # a pending input norm is computed by the grouped product's prep
         else:
+            x = ops.as_tensor(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -101,15 +102,15 @@ class DecoderLayer(nn.Module):
 
     def residual_forward(self, x, pending, cos, sin, mask, cache):
         """(residual stream, this layer's MLP output not yet added to it). Each residual add
-        rides in the kernel of the norm that follows it: `pending` (the previous layer's MLP
-        output) in this layer's input norm, the attention output in the post-attention norm."""
-        if pending is None:
-            h = self.input_layernorm(x)
-        else:
-            h, x = self.input_layernorm.add_forward(pending, x)
+        rides with the norm that follows it: `pending` (the previous layer's MLP output) with this
+        layer's input norm, the attention output with the post-attention norm. On the GPU both
+        norms (and their adds) run inside the prep of the grouped product that reads them, so
+        `h.sum`, the residual stream, exists once that product has run."""
+        h = self.input_layernorm.pending(x) if pending is None else self.input_layernorm.pending(pending, x)
         a = self.self_attn(h, cos, sin, mask, cache)
-        h, x = self.post_attention_layernorm.add_forward(a, x)
-        return x, self.mlp(h)
+        h = self.post_attention_layernorm.pending(a, ops.as_sum(h))
+        out = self.mlp(h)
+        return ops.as_sum(h), out
 
 
 class DecoderLM(CausalLM):

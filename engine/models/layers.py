@@ -43,6 +43,17 @@ class RMSNorm(nn.Module):
         s = x + residual
         return self(s), s
 
+    def pending(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> ops.PendingNorm:
+        """norm(x (+ residual)) as a PendingNorm: on the GPU the grouped product that reads it
+        computes it in its prep; elsewhere (and for Gemma's unit offset) it is computed now."""
+        p = ops.PendingNorm(x, self.weight, self.eps, residual)
+        if self.unit_offset or not x.is_cuda:
+            if residual is None:
+                p.normed, p.sum = self(x), x
+            else:
+                p.normed, p.sum = self.add_forward(x, residual)
+        return p
+
 
 class DenseLinear(nn.Module):
     """y = x·Wᵀ + b with an HF-layout weight [out, in]."""
@@ -265,10 +276,11 @@ class GatedMLP(nn.Module):
             self.gate_up = QuantLinearGroup.build([self.gate_proj, self.up_proj], device_type)
         return self.gate_up is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | ops.PendingNorm") -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:
+            x = ops.as_tensor(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
         if isinstance(self.down_proj, QuantLinear):
             return self.down_proj.gated_forward(gate, up, self.act_name)

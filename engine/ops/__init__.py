@@ -7,6 +7,7 @@ The reference paths are the specification the kernels are tested against; they r
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,11 @@ from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
 FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
-# MUL1 layers at m <= 8 may use the integer tensor-core path (activations as two int8 passes,
-# about 15 bits). Correct on the H200 (pytest -m gpu), but off by default: with version 3 it is 4%
-# faster at m = 1 on 8192x28672 and 27% slower at m = 8, and whole-model decode is 7% slower with
-# it (its prep does more work; csrc/PERF_NOTES.md). TRELLIS_INT8=1 turns it on.
-INT8_PATH = os.environ.get("TRELLIS_INT8", "0") == "1"
+# MUL1 layers may use the integer tensor-core path (activations as two int8 passes, about 15
+# bits) up to INT8_MAX_ROWS rows. It pays at m = 1 only (8192x28672: 15% faster; 30% slower at
+# m = 8; csrc/PERF_NOTES.md), so by default one-token decode steps take it. TRELLIS_INT8: auto
+# (m = 1, the default), 0 (never), 1 (every m <= 8).
+INT8_MAX_ROWS = {"0": 0, "auto": 1, "1": 8}.get(os.environ.get("TRELLIS_INT8", "auto").lower(), 1)
 # Fused-product kernel generation: 3 = persistent warps (csrc/exl3_gemv.cuh), 2 = the previous
 # one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
 MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
@@ -133,7 +134,7 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
 
     mode: "auto" (fused kernel up to FUSED_MAX_ROWS rows, else reconstruct + cuBLAS), "fused",
     "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
-    m <= 8 (None = INT8_PATH). up: the input is gated_act(x, up, act) instead of x; the fused
+    m <= 8 (None: up to INT8_MAX_ROWS rows). up: the input is gated_act(x, up, act) instead of x; the fused
     kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer)."""
     in_f = t.trellis.shape[0] * 16
     version = MM_VERSION if version is None else version
@@ -158,11 +159,11 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     ext = extension()
     if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
-        use_i8 = INT8_PATH if int8 is None else int8
+        use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
         counters = block_counters(x.device, out_f // 128) if version == 3 else None
         up2 = None if up is None else _kernel_rows(up, in_f)
         y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8),
-                          version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0)
+                          version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0, None, 0.0, None, None)
     else:
         xh = ext.had128(x2, t.suh, None, None)
         w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])
@@ -179,26 +180,43 @@ def _kernel_rows(x: torch.Tensor, in_f: int) -> torch.Tensor:
     return x2
 
 
-def exl3_gemm_group(x: torch.Tensor, g: EXL3Group, *, mode: str = "auto") -> list[torch.Tensor]:
+def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str = "auto",
+                    int8: bool | None = None) -> list[torch.Tensor]:
     """[x @ W_i (+ bias_i) for each member i of the group], each [..., out_i padded]. On the GPU
-    one prep and one product launch serve every member (the fp16 path: the int8 path's per-member
-    scales would need their own launches); prefills reconstruct the joined W-hat once.
-    Elsewhere each member's reference product."""
+    one prep and one product launch serve every member (the prep writes each member's
+    activations, int8 steps and sums); prefills reconstruct the joined W-hat once. Elsewhere
+    each member's reference product. int8 as in exl3_gemm. x may be a PendingNorm: the fused
+    product's prep then computes the norm (and the residual sum) itself."""
     in_f = g.trellis.shape[0] * 16
+    rows = x.shape[:-1].numel()
+    fused = mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS)
+    norm = None
+    if isinstance(x, PendingNorm):
+        if fused and x.fusable(in_f) and g.trellis.is_cuda:
+            norm, x = x, x.x
+        else:
+            x = x.value()
     if x.shape[-1] < in_f:
         x = F.pad(x, (0, in_f - x.shape[-1]))
     if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda:
         return [_fmt.exl3_matmul_reference(x, t) for t in g.members]
     lead = x.shape[:-1]
-    x2 = _kernel_rows(x, in_f)
-    rows = x2.shape[0]
+    x2 = x.reshape(-1, in_f) if norm is not None else _kernel_rows(x, in_f)
     out_f = g.trellis.shape[1] * 16
     ext = extension()
     cb = CODEBOOK_IDS[g.codebook]
-    if mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS):
+    if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
         counters = block_counters(x.device, out_f // 128)
-        y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, 0, 3, counters, g.seg_cols, None, 0)
+        use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
+        norm_args = (None, 0.0, None, None)
+        if norm is not None:
+            res = None if norm.residual is None else norm.residual.reshape(-1, in_f)
+            res_out = None if res is None else torch.empty_like(res)
+            norm_args = (norm.weight, norm.eps, res, res_out)
+            norm.sum = norm.x if res_out is None else res_out.view(norm.x.shape)
+        y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, int(use_i8), 3, counters, g.seg_cols,
+                          None, 0, *norm_args)
     else:
         w_hat = ext.exl3_reconstruct(g.trellis, cb)
         z = torch.cat([torch.matmul(ext.had128(x2.contiguous(), g.suh[i], None, None), w_hat[:, a:b])
@@ -244,6 +262,54 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return y, s
     s = x + residual
     return rms_norm(s, weight, eps), s
+
+
+@dataclass
+class PendingNorm:
+    """rms_norm(x + residual) * weight (residual optional), not computed yet. A grouped product on
+    the GPU that reads it (q/k/v, gate/up) computes the norm in its activation prep, which saves
+    the norm's own launch; anything else calls value(). `sum` is x + residual, the residual
+    stream a layer goes on with, once either has run."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    sum: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def value(self) -> torch.Tensor:
+        if self.normed is None:
+            if self.residual is None:
+                self.normed, self.sum = rms_norm(self.x, self.weight, self.eps), self.x
+            else:
+                self.normed, self.sum = add_rms_norm(self.x, self.residual, self.weight, self.eps)
+        return self.normed
+
+    def fusable(self, in_features: int) -> bool:
+        """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width."""
+        ts = (self.x, self.weight) if self.residual is None else (self.x, self.weight, self.residual)
+        return (self.normed is None and GLUE_KERNELS and _use_cuda(*ts) and self.x.shape[-1] == in_features
+                and self.x.is_contiguous() and self.weight.is_contiguous()
+                and (self.residual is None or (self.residual.is_contiguous() and self.residual.shape == self.x.shape)))
+
+
+def as_tensor(x: "torch.Tensor | PendingNorm") -> torch.Tensor:
+    return x.value() if isinstance(x, PendingNorm) else x
+
+
+def as_sum(p: PendingNorm) -> torch.Tensor:
+    """The residual stream x + residual of a PendingNorm (computing the norm if nothing has)."""
+    if p.sum is None:
+        p.value()
+    return p.sum
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
