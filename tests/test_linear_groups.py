@@ -97,3 +97,23 @@ def test_masks_apply_the_same_as_bool_or_additive():
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     assert torch.allclose(attention(q, k, v, allowed, 0.3), attention(q, k, v, additive, 0.3), atol=1e-6)
     assert torch.allclose(attention(q, k, v, allowed, 0.3, softcap=5.0), attention(q, k, v, additive, 0.3, softcap=5.0), atol=1e-6)
+
+
+def test_pending_norm_off_the_gpu_is_the_norm_and_the_sum():
+    """RMSNorm.pending computes at once off the GPU (and for Gemma's unit offset); value() and
+    as_sum give the norm of x + residual and the sum, as add_forward does."""
+    from engine.models.layers import RMSNorm
+    norm = RMSNorm(torch.rand(64) + 0.5, 1e-6)
+    x, r = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    p = norm.pending(x, r)
+    want_h, want_s = norm.add_forward(x, r)
+    assert p.normed is not None and torch.equal(ops.as_tensor(p), want_h) and torch.equal(ops.as_sum(p), want_s)
+    q = norm.pending(x)
+    assert torch.equal(ops.as_tensor(q), norm(x)) and ops.as_sum(q) is x
+    # a PendingNorm built by hand computes on demand, once
+    lazy = ops.PendingNorm(x, norm.weight, 1e-6, r)
+    assert lazy.normed is None and lazy.shape == x.shape and lazy.dtype == x.dtype
+    assert torch.allclose(lazy.value(), want_h) and torch.allclose(ops.as_sum(lazy), want_s)
+    assert lazy.value() is lazy.normed
+    unit = RMSNorm(torch.zeros(64), 1e-6, unit_offset=True).pending(x, r)
+    assert torch.allclose(ops.as_tensor(unit), RMSNorm(torch.zeros(64), 1e-6, unit_offset=True)(x + r))
