@@ -40,11 +40,6 @@ void check_trellis(const torch::Tensor& trellis) {
                 "trellis must be 16-byte aligned");
 }
 
-// y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
-// entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
-// seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
-// concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
-// [linears, in] and svh, bias, y span all of them.
 // The norm arguments of the fused rows [r0, ...): the residual pointers move with x.
 trellis::PrepNorm chunk_norm(trellis::PrepNorm n, int64_t offset) {
     if (n.residual) {
@@ -54,6 +49,11 @@ trellis::PrepNorm chunk_norm(trellis::PrepNorm n, int64_t offset) {
     return n;
 }
 
+// y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
+// entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
+// seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
+// concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
+// [linears, in] and svh, bias, y span all of them.
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
                         torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,

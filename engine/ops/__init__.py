@@ -138,7 +138,7 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer)."""
     in_f = t.trellis.shape[0] * 16
     version = MM_VERSION if version is None else version
-    fused = mode == "fused" or (mode == "auto" and x.numel() // max(x.shape[-1], 1) <= FUSED_MAX_ROWS)
+    fused = mode == "fused" or (mode == "auto" and x.shape[:-1].numel() <= FUSED_MAX_ROWS)
     if up is not None:
         if act not in _ACT_IDS:
             raise ValueError(f"unsupported activation {act!r}")
@@ -201,7 +201,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str 
     if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda:
         return [_fmt.exl3_matmul_reference(x, t) for t in g.members]
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_f) if norm is not None else _kernel_rows(x, in_f)
+    x2 = _kernel_rows(x, in_f)
     out_f = g.trellis.shape[1] * 16
     ext = extension()
     cb = CODEBOOK_IDS[g.codebook]
@@ -295,10 +295,10 @@ class PendingNorm:
 
     def fusable(self, in_features: int) -> bool:
         """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width."""
-        ts = (self.x, self.weight) if self.residual is None else (self.x, self.weight, self.residual)
-        return (self.normed is None and GLUE_KERNELS and _use_cuda(*ts) and self.x.shape[-1] == in_features
-                and self.x.is_contiguous() and self.weight.is_contiguous()
-                and (self.residual is None or (self.residual.is_contiguous() and self.residual.shape == self.x.shape)))
+        rows = [self.x] if self.residual is None else [self.x, self.residual]
+        return (self.normed is None and GLUE_KERNELS and _use_cuda(self.weight, *rows)
+                and self.x.shape[-1] == in_features and self.weight.is_contiguous()
+                and all(t.shape == self.x.shape and t.is_contiguous() and t.data_ptr() % 8 == 0 for t in rows))
 
 
 def as_tensor(x: "torch.Tensor | PendingNorm") -> torch.Tensor:
@@ -335,10 +335,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """Rotary embedding on q [B, T, Hq, D] and k [B, T, Hk, D] (the layout the projections
     produce), cos/sin [T, D]. On the GPU one kernel rotates both in place (they are fresh
     projection outputs), rounding like the PyTorch ops, which otherwise cost ten launches."""
-    D = q.shape[-1]
-    heads_contiguous = all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k))
-    if (GLUE_KERNELS and _use_cuda(q, k, cos, sin) and heads_contiguous and cos.shape == (q.shape[1], D)
-            and cos.is_contiguous() and sin.is_contiguous()):
+    if _rope_kernel_serves(cos, sin, q, k):
         extension().rope_qk(q, k, cos, sin, None, None, None, None)
         return q, k
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -350,16 +347,22 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q * c + rot(q) * s, k * c + rot(k) * s
 
 
+def _rope_kernel_serves(cos: torch.Tensor, sin: torch.Tensor, *heads: torch.Tensor) -> bool:
+    """Whether the RoPE kernel takes these: fp16 CUDA, each of `heads` (q, k, v) [B, T, H, D] with
+    its heads contiguous, cos/sin contiguous [T, D]."""
+    T, D = heads[0].shape[1], heads[0].shape[-1]
+    return (GLUE_KERNELS and _use_cuda(cos, sin, *heads)
+            and all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in heads)
+            and cos.shape == (T, D) and cos.is_contiguous() and sin.is_contiguous())
+
+
 def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor):
     """rope_qk, then this step's k (rotated) and v [B, T, Hk, D] stored in the caches
     [B, Hk, slots, D] at slots position .. position + T - 1 (`position`: a long [1] on the device,
     so a CUDA graph can replay it). On the GPU one kernel does all of it, instead of three."""
-    D = q.shape[-1]
-    heads_contiguous = all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k, v))
-    if (GLUE_KERNELS and _use_cuda(q, k, v, cos, sin, k_cache, v_cache) and heads_contiguous
-            and cos.shape == (q.shape[1], D) and cos.is_contiguous() and sin.is_contiguous()
-            and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and position.is_cuda):
+    if (_rope_kernel_serves(cos, sin, q, k, v) and _use_cuda(k_cache, v_cache) and k_cache.stride(-1) == 1
+            and k_cache.stride() == v_cache.stride() and position.is_cuda):
         extension().rope_qk(q, k, cos, sin, v, k_cache, v_cache, position)
         return q, k
     q, k = rope_qk(q, k, cos, sin)

@@ -12,9 +12,12 @@ from torch import nn
 from engine.models.layers import QuantLinear, fuse_projections
 
 
-def route_quant_linears(model: nn.Module, drop_dense: bool = True, group: bool = True) -> int:
+def route_quant_linears(model: nn.Module, drop_dense: bool = True, group: bool | None = None) -> int:
     """Make every QuantLinear compute with ops.exl3_linear (and, with `group`, q/k/v and gate/up
-    on the GPU as one grouped product each). Returns how many QuantLinears there are."""
+    on the GPU as one grouped product each; None: as load_model does, TRELLIS_GROUP). Returns how
+    many QuantLinears there are."""
+    if group is None:
+        from engine.models import GROUPED_PRODUCTS as group
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
