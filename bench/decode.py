@@ -14,6 +14,7 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-nogroup cuda-graph with one product per linear (q/k/v and gate/up not grouped)
   cuda-graph-int8    cuda-graph with the MUL1 integer path at m = 1 (TRELLIS_INT8=auto)
   cuda-graph-fp16    cuda-graph with the fp16 path only (TRELLIS_INT8=0)
+  cuda-graph-sdpa    cuda-graph with SDPA for decode attention instead of our kernel
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
-                         "integer path at m = 1 on / off)")
+                         "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
 
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
-    int8_default = ops.INT8_MAX_ROWS
+    int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
         if kind not in loaded:
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
         graph = path.startswith("cuda-graph")
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
         ops.INT8_MAX_ROWS = {"cuda-graph-int8": 1, "cuda-graph-fp16": 0}.get(path, int8_default)
+        ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
         if kind == "cuda":
             from engine.models.layers import fuse_projections, split_projections
 

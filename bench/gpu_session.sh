@@ -12,7 +12,7 @@ timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.
 echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
+timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph-sdpa cuda-graph --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
 # The previous version in the same run: a copy of an earlier commit's engine/csrc/bench under
 # .devcarry/prev (git archive <commit> engine csrc bench | tar -x -C .devcarry/prev), if present.
 if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 128 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi

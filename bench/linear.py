@@ -204,6 +204,9 @@ def main(argv=None) -> int:
                     help="events: Python-issued calls (host cost included); graph: replay of captured calls (GPU only)")
     ap.add_argument("--min-units", type=int, default=None,
                     help="version-3 product: fewest units per warp when the launcher shrinks the grid (default 8)")
+    ap.add_argument("--variants", nargs="+", type=int, default=None,
+                    help="also time these occupancy configurations of the fused kernel (10 + CFG, K = 4), "
+                         "each checked against the reference first")
     args = ap.parse_args(argv)
     TIMING["mode"] = args.timing
     if args.once:
@@ -225,7 +228,29 @@ def main(argv=None) -> int:
             bench_shape(shape, args.m, args.K, args.codebook, args.paths, mode == "cold", args.calls, args.warmup)
     if args.probe:
         probe(args)
+    if args.variants:
+        tune(args)
     return 0
+
+
+def tune(args) -> None:
+    """Occupancy configurations of the version-3 product (csrc/exl3_gemv.cuh, gv_tune), each
+    checked against the reference and timed cold, so that one run picks the best."""
+    from engine import ops
+
+    ext = ops.extension()
+    for variant in args.variants:
+        ext.set_mm_debug_variant(variant)
+        try:
+            for shape in args.shapes:
+                n_in, n_out = (int(v) for v in shape.split("x"))
+                checks = {m: round(check_once(n_in, n_out, 4, "mul1", m), 6) for m in args.m}
+                for row in bench_shape(shape, args.m, [4], ["mul1"], ["fused"], True, args.calls, args.warmup,
+                                       out=open("/dev/null", "w")):
+                    print(json.dumps({**row, "bench": "linear_tune", "variant": variant,
+                                      "check_rel_rms": checks.get(row["m"])}), flush=True)
+        finally:
+            ext.set_mm_debug_variant(0)
 
 
 def probe(args) -> None:

@@ -126,6 +126,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     a.num_sms = props->multiProcessorCount;
     a.pdl = trellis::pdl_setting() && props->major >= 9;
+    a.early_trigger = trellis::early_trigger_setting();
     a.version = version == 2 ? 2 : 3;
     const bool fused_out = a.version == 3 && counters.has_value();
     if (fused_out) {
@@ -319,6 +320,57 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 }
 
 
+// One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
+// strides), mask additive fp16 [1 or B, S] or none; ws (fp32) and counters (int32, zero) are the
+// caller's persistent scratch. Returns out [B, H, 1, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor ws,
+                               torch::Tensor counters) {
+    for (const auto* t : {&q, &k, &v})
+        TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
+                    "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+    TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per sequence");
+    TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides() && k.size(0) == B && k.size(3) == D,
+                "decode_attention: k, v must be [B, Hkv, S, D] with the same strides");
+    TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && S > 0, "decode_attention: query heads must be a multiple of kv heads");
+    TORCH_CHECK(D == 64 || D == 128 || D == 256, "decode_attention: head dim must be 64, 128 or 256");
+    const int64_t dl = D / 32;  // halves per lane: vector loads need that alignment
+    auto aligned = [&](const torch::Tensor& t) {
+        return reinterpret_cast<uintptr_t>(t.data_ptr()) % (dl * 2) == 0 && t.stride(0) % dl == 0 &&
+               t.stride(1) % dl == 0 && (t.size(2) == 1 || t.stride(2) % dl == 0);
+    };
+    TORCH_CHECK(aligned(q) && aligned(k) && aligned(v), "decode_attention: rows must be aligned to D/32 halves");
+    trellis::DecodeAttnArgs a;
+    if (mask.has_value()) {
+        TORCH_CHECK(mask->is_cuda() && mask->scalar_type() == torch::kHalf && mask->dim() == 2 &&
+                        (mask->size(0) == 1 || mask->size(0) == B) && mask->size(1) == S && mask->stride(1) == 1,
+                    "decode_attention: mask must be additive fp16 [1 or B, S], last dim contiguous");
+        a.mask = hptr(*mask);
+        a.mask_b = mask->size(0) == 1 ? 0 : (long)mask->stride(0);
+    }
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto out = torch::empty({B, H, 1, D}, q.options());
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    a.B = (int)B, a.Hkv = (int)Hkv, a.G = (int)(H / Hkv), a.S = (int)S, a.D = (int)D;
+    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms);
+    TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == torch::kFloat &&
+                    (size_t)ws.numel() >= trellis::decode_attention_ws_floats(a.B, a.Hkv, a.G, a.D, a.n_split),
+                "decode_attention: workspace too small");
+    TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
+                    counters.numel() >= B * Hkv * ((a.G + 3) / 4),
+                "decode_attention: too few counters");
+    a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
+    a.k = hptr(k), a.v = hptr(v);
+    a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
+    a.out = hptr_mut(out), a.o_b = (long)(H * D), a.o_h = (long)D;
+    a.ws = ws.data_ptr<float>(), a.counters = counters.data_ptr<int32_t>();
+    a.scale = (float)scale;
+    a.early_trigger = trellis::early_trigger_setting();
+    CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
+    return out;
+}
+
 // Trellis states int32 [n, 256] for targets fp32 [n, 256] (stream order, already fp16-rounded by
 // the caller): the tail-biting Viterbi of engine/quantize/viterbi.py. lut: the codebook's 65536
 // fp16 values (engine.formats.exl3.codebook_lut).
@@ -354,10 +406,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
+    m.def("set_early_trigger", &trellis::set_early_trigger, "let the kernel after a product or decode attention launch early (default off)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
     m.def("rope_qk", &rope_qk, "rotate-half RoPE on q and k in place");
+    m.def("decode_attention", &decode_attention, "one-token decode attention over a KV cache");
     m.def("viterbi_encode", &viterbi_encode, "tail-biting Viterbi trellis encoder (quantizer)");
 }

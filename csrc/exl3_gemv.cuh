@@ -40,6 +40,27 @@ __host__ __device__ constexpr int gv_stages() {
     return K <= 4 ? 8 : 5;
 }
 
+// Occupancy configurations (CFG, a template argument; 0 is the shipped one). A configuration
+// trades the tiles per unit (CT) and the ring depth (NS) for resident blocks per SM (MINB, which
+// also caps the registers at 65536 / (256 MINB)): more warps hide the decode's dependency chains,
+// fewer registers and stages per warp pay for them. Selected for K = 4 by the debug variant
+// 10 + CFG (bench.linear --variant, TRELLIS_GV_VARIANT) to measure which one a GPU prefers.
+struct GvTune {
+    int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
+};
+__host__ __device__ constexpr GvTune gv_tune(int cfg) {
+    return cfg == 1   ? GvTune{4, 5, 3}
+           : cfg == 2 ? GvTune{8, 5, 3}
+           : cfg == 3 ? GvTune{4, 4, 4}
+           : cfg == 4 ? GvTune{4, 8, 2}
+           : cfg == 5 ? GvTune{2, 6, 3}
+           : cfg == 6 ? GvTune{4, 7, 3}
+           : cfg == 7 ? GvTune{8, 6, 3}
+           : cfg == 8 ? GvTune{8, 4, 2, 2}
+           : cfg == 9 ? GvTune{8, 3, 2, 2}
+                      : GvTune{0, 0, 2};
+}
+
 __device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
 }
@@ -74,29 +95,42 @@ enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
 
 // Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x
 // rows of 2 passes each; F16: 8 rows each), words of activations per lane per group per k row.
-template <int PATH, int NG>
+template <int PATH, int NG, int CFG = 0>
 struct GvShape {
-    static constexpr int CT = PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
+    static constexpr int CT = gv_tune(CFG).ct ? gv_tune(CFG).ct
+                              : PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
     static constexpr int BW = PATH == GV_I8 ? 4 : 2;  // words per lane per group
     static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
+    static constexpr int MINB = gv_tune(CFG).minb;
+    static constexpr int KR = gv_tune(CFG).kr;
+    template <int K>
+    static constexpr int stages() { return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>(); }
 };
 
-template <int K, int PATH, int NG>
+// Words of one k row in a stage (its tiles, then its activations); a stage holds KR of them.
+template <int K, int PATH, int NG, int CFG = 0>
+__host__ __device__ constexpr int gv_row_words() {
+    return GvShape<PATH, NG, CFG>::CT * 8 * K + NG * 32 * GvShape<PATH, NG, CFG>::BW;
+}
+template <int K, int PATH, int NG, int CFG = 0>
 __host__ __device__ constexpr int gv_stage_words() {
-    return GvShape<PATH, NG>::CT * 8 * K + NG * 32 * GvShape<PATH, NG>::BW;
+    return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG>();
+}
+
+// The fences around the completion count: release before the count, acquire after the last one
+// is seen. An acq_rel fence orders exactly that; __threadfence is a sequentially consistent one,
+// which costs more (ncu on small layers: membar stalls on it).
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
 // The output transform of one finished 128-column block (see finish_block in the kernel). Not
 // inlined: it runs about once per warp, and inlined its registers would crowd the main loop.
 static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half* __restrict__ y, int ldy,
-                                             const half* __restrict__ svh,
-                                             const half* __restrict__ bias, int m, int out,
+                                             uint2 sv, uint2 bv, bool has_bias, int m, int out,
                                              int blk, int lane) {
-    __threadfence();
+    fence_acq_rel_gpu();  // acquire: every contribution counted is visible
     const int k = blk * 128 + lane * 4;
-    const uint2 sv = *reinterpret_cast<const uint2*>(svh + k);
-    uint2 bv = make_uint2(0u, 0u);
-    if (bias) bv = *reinterpret_cast<const uint2*>(bias + k);
     for (int r = 0; r < m; ++r) {
         float4* zp = reinterpret_cast<float4*>(z + (size_t)r * out + k);
         const float4 f = __ldcg(zp);
@@ -107,7 +141,7 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
         half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
         o0 = __hmul2(o0, as_h2(sv.x));
         o1 = __hmul2(o1, as_h2(sv.y));
-        if (bias) {
+        if (has_bias) {
             o0 = __hadd2(o0, as_h2(bv.x));
             o1 = __hadd2(o1, as_h2(bv.y));
         }
@@ -118,19 +152,21 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
 // VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
 // the same work, to time the memory layout).
-template <int K, int CB, int PATH, int NG, int VAR>
-__global__ void __launch_bounds__(kGvWarps * 32, 2)
+template <int K, int CB, int PATH, int NG, int VAR, int CFG>
+__global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered activations
                  const float2* __restrict__ scales,     // I8: [m, in/128] steps of the 2 passes
                  const float* __restrict__ csum,        // I8: [m, in/128] chunk sums of xh
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
-                 int seg_c3) {
-    using S = GvShape<PATH, NG>;
+                 int seg_c3, int early_trigger) {
+    using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
-    constexpr int NS = gv_stages<K>();
-    constexpr int SW = gv_stage_words<K, PATH, NG>();
+    constexpr int NS = S::template stages<K>();
+    constexpr int SW = gv_stage_words<K, PATH, NG, CFG>();
+    constexpr int KR = S::KR;
+    constexpr int RW = gv_row_words<K, PATH, NG, CFG>();
     constexpr int TW = 8 * K;  // words per tile
     extern __shared__ uint32_t gv_smem[];
 
@@ -139,7 +175,8 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     const int tk = in >> 4;
     const int tn = out >> 4;
     const int groups = tn / CT;
-    const long units = (long)groups * tk;
+    const int rows_kr = tk / KR;  // units per column group (tk is a multiple of 8)
+    const long units = (long)groups * rows_kr;
     const long nwarps = (long)gridDim.x * kGvWarps;
     const long gw = (long)blockIdx.x * kGvWarps + warp;
     const long u0 = units * gw / nwarps;
@@ -161,12 +198,13 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     // pointers (already offset by this lane's 16-byte chunk) so that a fetch is a few adds.
     constexpr int kChunks = CT * TW / 4;    // 16-byte chunks of trellis per unit
     constexpr int kBChunks = PATH == GV_I8 ? 0 : NG * 16;  // F16 fragments: NG x 256 bytes
-    int p_grp = (int)(u0 / tk);
-    int p_row = (int)(u0 - (long)p_grp * tk);
+    int p_grp = (int)(u0 / rows_kr);
+    int p_row = (int)(u0 - (long)p_grp * rows_kr) * KR;
     int p_slot = 0;
     const size_t row_step = (size_t)tn * TW;  // words from one k row of tiles to the next
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
-    if constexpr (VAR == 3) p_src = trellis + (size_t)u0 * CT * TW + lane * 4;  // probe: one stream
+    if constexpr (VAR == 3) p_src = trellis + (size_t)u0 * KR * CT * TW + lane * 4;  // probe: one stream
+    const size_t src_row = VAR == 3 ? (size_t)CT * TW : row_step;  // source words from a unit's k row to the next
     constexpr int kBRowWords = NG * 32 * S::BW;  // activation words per k row
     // Grouped products (q/k/v or gate/up in one launch): the trellis of up to four linears that
     // share an input is concatenated along the columns, and segment s (columns from seg_cs) has
@@ -182,31 +220,36 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     // which of the two to fetch (the prologue fetches them apart, see below).
     auto issue = [&](int s, bool weights, bool acts) {
         if (s < n_units) {
-            const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + lane * 4) * 4u;
-            if (weights) {
 #pragma unroll
-                for (int c0 = 0; c0 < kChunks; c0 += 32) {
-                    if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + c0 * 4);
+            for (int kr = 0; kr < KR; ++kr) {
+                const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * RW + lane * 4) * 4u;
+                if (weights) {
+#pragma unroll
+                    for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                        if (kChunks % 32 == 0 || c0 + lane < kChunks)
+                            gv_cp16(dst + c0 * 16, p_src + kr * src_row + c0 * 4);
+                    }
                 }
-            }
-            if (acts) {
-                if constexpr (PATH == GV_I8) {
-                    // 16 bytes per lane per group, only for lanes whose B column is a real row.
+                if (acts) {
+                    const uint32_t* b = p_b + kr * kBRowWords;
+                    if constexpr (PATH == GV_I8) {
+                        // 16 bytes per lane per group, only for lanes whose B column is a real row.
 #pragma unroll
-                    for (int gr = 0; gr < NG; ++gr)
-                        if (has_b[gr]) gv_cp16(ring_sa + (uint32_t)(p_slot * SW + CT * TW + (gr * 32 + lane) * 4) * 4u, p_b + gr * 128);
-                } else {
+                        for (int gr = 0; gr < NG; ++gr)
+                            if (has_b[gr]) gv_cp16(dst + (CT * TW + gr * 128) * 4, b + gr * 128);
+                    } else {
 #pragma unroll
-                    for (int c0 = 0; c0 < kBChunks; c0 += 32) {
-                        if (kBChunks % 32 == 0 || c0 + lane < kBChunks)
-                            gv_cp16(dst + (CT * TW + c0 * 4) * 4, p_b + c0 * 4);
+                        for (int c0 = 0; c0 < kBChunks; c0 += 32) {
+                            if (kBChunks % 32 == 0 || c0 + lane < kBChunks)
+                                gv_cp16(dst + (CT * TW + c0 * 4) * 4, b + c0 * 4);
+                        }
                     }
                 }
             }
             p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
-            p_src += VAR == 3 ? CT * TW : row_step;
-            p_b += kBRowWords;
-            if (++p_row == tk) {
+            p_src += KR * src_row;
+            p_b += KR * kBRowWords;
+            if ((p_row += KR) == tk) {
                 p_row = 0;
                 ++p_grp;
                 if constexpr (VAR != 3) p_src = trellis + (size_t)p_grp * CT * TW + lane * 4;
@@ -225,6 +268,11 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         const uint32_t *src0 = p_src, *b0 = p_b;
 #pragma unroll
         for (int s = 0; s < NS - 1; ++s) issue(s, true, false);
+        // With early_trigger the kernel after this one (glue that waits for this grid before it
+        // reads anything) may launch now. The grid is all resident by now (one wave), so its
+        // blocks take only what this grid leaves free. Off by default: the product after that
+        // glue then also starts early and its trellis prefetch competes with this one for DRAM.
+        if (early_trigger) pdl_launch_dependents();
         pdl_wait_primary();
         p_grp = grp0, p_row = row0, p_slot = 0, p_src = src0, p_b = b0;
 #pragma unroll
@@ -239,8 +287,8 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     const int cq = lane & 3;
 
     // Consumer state.
-    int c_grp = (int)(u0 / tk);
-    int c_row = (int)(u0 - (long)c_grp * tk);
+    int c_grp = (int)(u0 / rows_kr);
+    int c_row = (int)(u0 - (long)c_grp * rows_kr) * KR;
     int c_slot = 0;
     int c_seg = seg_of(c_grp);  // I8: which segment's scales and sums
     bool seg_has_row0 = c_row == 0;  // this warp's part of the current column group starts at k row 0
@@ -285,8 +333,8 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
             for (int gr = 0; gr < NG; ++gr) {
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
-                    facc[gr][ct][0] += cur_sc[gr].x * (float)iacc[gr][ct][0] + cur_sc[gr].y * (float)iacc[gr][ct][1];
-                    facc[gr][ct][1] += cur_sc[gr].x * (float)iacc[gr][ct][2] + cur_sc[gr].y * (float)iacc[gr][ct][3];
+                    facc[gr][ct][0] = fmaf(cur_sc[gr].y, (float)iacc[gr][ct][1], fmaf(cur_sc[gr].x, (float)iacc[gr][ct][0], facc[gr][ct][0]));
+                    facc[gr][ct][1] = fmaf(cur_sc[gr].y, (float)iacc[gr][ct][3], fmaf(cur_sc[gr].x, (float)iacc[gr][ct][2], facc[gr][ct][1]));
                     iacc[gr][ct][0] = iacc[gr][ct][1] = iacc[gr][ct][2] = iacc[gr][ct][3] = 0;
                 }
             }
@@ -350,15 +398,17 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     // y and zeroes the block's workspace and counter, so no separate kernel runs after the
     // product. The fence orders this warp's atomics before its count; the finisher reads z
     // through L2 (__ldcg) after the count shows every contribution.
-    auto finish_block = [&]() {
-        __threadfence();
+    // The block's output scales and bias (weights) are read before the flush's atomics, so their
+    // DRAM latency overlaps those and the fence instead of following the completion count.
+    auto finish_block = [&](uint2 sv, uint2 bv) {
+        fence_acq_rel_gpu();  // release: this warp's atomics to z before its count
         __syncwarp();
         const int blk = (c_grp * CT) >> 3;
         int prev = 0;
         if (lane == 0) prev = atomicAdd(counters + blk, seg_units);
         prev = __shfl_sync(0xffffffffu, prev, 0);
         if (prev + seg_units != tk * (8 / CT)) return;
-        gv_finish_block(z, y, ldy, svh, bias, m, out, blk, lane);
+        gv_finish_block(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane);
         if (lane == 0) counters[blk] = 0;
     };
 
@@ -368,64 +418,68 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         cp_async_wait<NS - 2>();
         __syncwarp();
         issue(s + NS - 1, true, true);
-        const int base = ring + c_slot * SW;
+        const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+#pragma unroll
+        for (int kr = 0; kr < KR; ++kr) {
+            const int base = stage + kr * RW;
 
-        if constexpr (PATH == GV_I8) {
-            uint4 b[NG];
+            if constexpr (PATH == GV_I8) {
+                uint4 b[NG];
 #pragma unroll
-            for (int gr = 0; gr < NG; ++gr) {
-                const int ba = base + CT * TW + (gr * 32 + lane) * 4;
-                b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                const int tile = base + ct * TW;
-                uint32_t x[8];
-                if constexpr (VAR == 1) {
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) x[q] = gv_smem[tile + (q & 1 ? wb : wa)] + q;
-                } else {
-                    gv_states<K>(gv_smem, tile, wa, wb, wc, shift, x);
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) x[q] *= 0x83DCD12Du;
+                for (int gr = 0; gr < NG; ++gr) {
+                    const int ba = base + CT * TW + (gr * 32 + lane) * 4;
+                    b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
                 }
-                if constexpr (VAR == 2) {
-                    iacc[0][ct][0] += x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
-                } else {
 #pragma unroll
-                    for (int gr = 0; gr < NG; ++gr) {
-                        mma_16832_u8s8(iacc[gr][ct], x[0], x[4], x[1], x[5], b[gr].x, b[gr].y);
-                        mma_16832_u8s8(iacc[gr][ct], x[2], x[6], x[3], x[7], b[gr].z, b[gr].w);
+                for (int ct = 0; ct < CT; ++ct) {
+                    const int tile = base + ct * TW;
+                    uint32_t x[8];
+                    if constexpr (VAR == 1) {
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) x[q] = gv_smem[tile + (q & 1 ? wb : wa)] + q;
+                    } else {
+                        gv_states<K>(gv_smem, tile, wa, wb, wc, shift, x);
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) x[q] *= 0x83DCD12Du;
+                    }
+                    if constexpr (VAR == 2) {
+                        iacc[0][ct][0] += x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
+                    } else {
+#pragma unroll
+                        for (int gr = 0; gr < NG; ++gr) {
+                            mma_16832_u8s8(iacc[gr][ct], x[0], x[4], x[1], x[5], b[gr].x, b[gr].y);
+                            mma_16832_u8s8(iacc[gr][ct], x[2], x[6], x[3], x[7], b[gr].z, b[gr].w);
+                        }
                     }
                 }
-            }
-        } else {
-            uint2 b[NG];
+            } else {
+                uint2 b[NG];
 #pragma unroll
-            for (int gr = 0; gr < NG; ++gr) {
-                const int ba = base + CT * TW + (gr * 32 + lane) * 2;
-                b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(gv_smem + ba) : make_uint2(0u, 0u);
-            }
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                const int tile = base + ct * TW;
-                uint32_t v[4];
-                if constexpr (VAR == 1) {
-                    v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
-                } else {
-                    uint32_t st[8];
-                    gv_states<K>(gv_smem, tile, wa, wb, wc, shift, st);
-                    v[0] = decode_pair<CB>(st[0], st[1]);
-                    v[1] = decode_pair<CB>(st[2], st[3]);
-                    v[2] = decode_pair<CB>(st[4], st[5]);
-                    v[3] = decode_pair<CB>(st[6], st[7]);
+                for (int gr = 0; gr < NG; ++gr) {
+                    const int ba = base + CT * TW + (gr * 32 + lane) * 2;
+                    b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(gv_smem + ba) : make_uint2(0u, 0u);
                 }
-                if constexpr (VAR == 2) {
-                    acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
-                } else {
 #pragma unroll
-                    for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                for (int ct = 0; ct < CT; ++ct) {
+                    const int tile = base + ct * TW;
+                    uint32_t v[4];
+                    if constexpr (VAR == 1) {
+                        v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
+                    } else {
+                        uint32_t st[8];
+                        gv_states<K>(gv_smem, tile, wa, wb, wc, shift, st);
+                        v[0] = decode_pair<CB>(st[0], st[1]);
+                        v[1] = decode_pair<CB>(st[2], st[3]);
+                        v[2] = decode_pair<CB>(st[4], st[5]);
+                        v[3] = decode_pair<CB>(st[6], st[7]);
+                    }
+                    if constexpr (VAR == 2) {
+                        acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
+                    } else {
+#pragma unroll
+                        for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                    }
                 }
             }
         }
@@ -433,12 +487,18 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         // Advance the consumer: fold at the end of each 128-wide chunk, flush at the end of a
         // column group.
         const bool last = s + 1 == n_units;
-        const bool chunk_end = (c_row & 7) == 7 || c_row + 1 == tk || last;
+        const bool chunk_end = ((c_row + KR - 1) & 7) == 7 || c_row + KR == tk || last;
         if (chunk_end) fold();
-        ++seg_units;
-        if (++c_row == tk || last) {
+        seg_units += KR;
+        if ((c_row += KR) == tk || last) {
+            uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
+            if (y) {
+                const int k = ((c_grp * CT) >> 3) * 128 + lane * 4;
+                sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
+                if (bias) bv = __ldg(reinterpret_cast<const uint2*>(bias + k));
+            }
             flush();
-            if (y) finish_block();
+            if (y) finish_block(sv, bv);
             if (!last) {
                 zero_acc();
                 c_row = 0;
@@ -453,24 +513,26 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     cp_async_wait<0>();
 }
 
-// Host side: grid = resident warps (2 blocks of 8 warps per SM), capped so that every warp has at
-// least gemv_min_units() units (8 unless a benchmark sets it).
-template <int K, int CB, int PATH, int NG, int VAR>
+// Host side: grid = resident warps (MINB blocks of 8 warps per SM), capped so that every warp has
+// at least gemv_min_units() units (8 unless a benchmark sets it).
+template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0>
 cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
-    using S = GvShape<PATH, NG>;
-    const long units = (long)(a.out / 16 / S::CT) * (a.in / 16);
-    long blocks = 2L * (a.num_sms > 0 ? a.num_sms : 132);
+    using S = GvShape<PATH, NG, CFG>;
+    const long units = (long)(a.out / 16 / S::CT) * (a.in / 16 / S::KR);
+    long blocks = (long)S::MINB * (a.num_sms > 0 ? a.num_sms : 132);
     const long by_units = (units / gemv_min_units() + kGvWarps - 1) / kGvWarps;
     if (by_units < blocks) blocks = by_units > 0 ? by_units : 1;
-    const size_t smem = (size_t)kGvWarps * gv_stages<K>() * gv_stage_words<K, PATH, NG>() * 4;
-    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR>;
+    const size_t smem = (size_t)kGvWarps * S::template stages<K>() * gv_stage_words<K, PATH, NG, CFG>() * 4;
+    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
     return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, a.xb, a.scales,
                       a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
-                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2]);
+                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], (int)a.early_trigger);
 }
 
+// Debug variants: 1-3 the timing probes (one-group shapes), 10 + CFG an occupancy configuration
+// (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if constexpr (NG == 1) {
@@ -478,9 +540,35 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
         if (variant == 3) return launch_gemv_var<K, CB, PATH, NG, 3>(a, stream);
     }
+    if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
+        switch (variant) {
+            case 10: return launch_gemv_var<K, CB, PATH, NG, 0, 0>(a, stream);  // one k row per unit always
+            case 11: return launch_gemv_var<K, CB, PATH, NG, 0, 1>(a, stream);
+            case 12: return launch_gemv_var<K, CB, PATH, NG, 0, 2>(a, stream);
+            case 13: return launch_gemv_var<K, CB, PATH, NG, 0, 3>(a, stream);
+            case 14: return launch_gemv_var<K, CB, PATH, NG, 0, 4>(a, stream);
+            case 15: return launch_gemv_var<K, CB, PATH, NG, 0, 5>(a, stream);
+            case 16: return launch_gemv_var<K, CB, PATH, NG, 0, 6>(a, stream);
+            case 17: return launch_gemv_var<K, CB, PATH, NG, 0, 7>(a, stream);
+            default: break;
+        }
+        if constexpr (NG == 1) {  // two k rows per unit: too many registers for four groups
+            if (variant == 18) return launch_gemv_var<K, CB, PATH, NG, 0, 8>(a, stream);
+            if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
+        }
+    }
+    // Large layers take two k rows per unit (CFG 9): per-unit work is paid half as often (ncu,
+    // 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59). Small ones keep one, so
+    // that they still have enough units to spread over every SM. K > 5 would not fit two blocks
+    // of its stages per SM.
+    if constexpr (NG == 1 && K <= 5) {
+        constexpr int kUnitsPerWarp = 8;
+        const long pairs = (long)(a.out / 128) * (a.in / 32);
+        const long resident_warps = 2L * kGvWarps * (a.num_sms > 0 ? a.num_sms : 132);
+        if (variant != 10 && pairs >= kUnitsPerWarp * resident_warps) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
+    }
     return launch_gemv_var<K, CB, PATH, NG, 0>(a, stream);
 }
-
 // One K: a.scales != null selects the MUL1 integer path (m <= 8), else the fp16 path (m <= 32).
 template <int K>
 cudaError_t launch_gemv_k(const MmArgs& a, int variant, cudaStream_t stream) {

@@ -23,20 +23,6 @@ TRELLIS_DECLARE_MM(7)
 TRELLIS_DECLARE_MM(8)
 #undef TRELLIS_DECLARE_MM
 
-// The glue kernels (activation prep, RMSNorm, RoPE, gated activation) are launched as
-// programmatic dependents on sm_90+: the launch and block scheduling of each overlaps the tail of
-// the kernel before it, the gap that a decode token's ~500 launches otherwise pay one by one. Each
-// such kernel calls pdl_wait_primary before it touches global memory, so it reads its inputs only
-// once they are complete and writes nothing the previous kernel may still read.
-inline bool glue_pdl() {
-    static int major[64] = {};
-    int dev = 0;
-    if (!pdl_flag() || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-    if (!major[dev] && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        return false;
-    return major[dev] >= 9;
-}
-
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
                         Args&&... args) {
@@ -124,7 +110,7 @@ __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
 
 // This lane's 4 normed values k..k+3 of row r (all 32 lanes of the warp take part).
 __device__ __forceinline__ uint2 normed_lane(const PrepInput& in, int r, int k, int lane, int n,
-                                             bool write_sum) {
+                                             bool write_sum, uint2 w) {
     float ss = 0.f;
     uint2 own = make_uint2(0u, 0u);
     // Unrolled so that several loads (of x and of the residual) are in flight per lane.
@@ -139,19 +125,30 @@ __device__ __forceinline__ uint2 normed_lane(const PrepInput& in, int r, int k, 
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float inv = rsqrtf(ss / n + in.eps);
     if (write_sum && in.res) *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = own;
-    const uint2 w = *reinterpret_cast<const uint2*>(in.norm_w + k);
     const float2 a = __half22float2(as_h2(own.x)), b = __half22float2(as_h2(own.y));
     return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
                       as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
 }
 
+// The weights a prep lane needs (its 4 input signs and norm weights). Read before
+// pdl_wait_primary: no kernel writes them, so their DRAM latency overlaps the previous kernel's
+// tail instead of adding to the chain after it.
+struct PrepWeights {
+    uint2 suh, norm_w;
+
+    __device__ __forceinline__ PrepWeights(const PrepInput& in, const half* __restrict__ suh_row, int k) {
+        suh = __ldg(reinterpret_cast<const uint2*>(suh_row + k));
+        norm_w = in.norm_w ? __ldg(reinterpret_cast<const uint2*>(in.norm_w + k)) : make_uint2(0u, 0u);
+    }
+};
+
 // This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r; n is the
 // row length (the norm's statistics run over it) and write_sum selects the warps that store
 // x + residual.
-__device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const half* __restrict__ suh,
-                                             int r, int k, int lane, half2& o0, half2& o1,
-                                             int n = 0, bool write_sum = false) {
-    uint2 xv = in.norm_w ? normed_lane(in, r, k, lane, n, write_sum)
+__device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeights& wt, int r, int k,
+                                             int lane, half2& o0, half2& o1, int n = 0,
+                                             bool write_sum = false) {
+    uint2 xv = in.norm_w ? normed_lane(in, r, k, lane, n, write_sum, wt.norm_w)
                          : *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
     if (in.up) {
         const uint2 uv = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
@@ -161,9 +158,8 @@ __device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const half* __
         xv.y = as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), in.act),
                                      gated_value(__high2half(g1), __high2half(u1), in.act)));
     }
-    const uint2 sv = *reinterpret_cast<const uint2*>(suh + k);
-    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(sv.x));
-    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(sv.y));
+    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(wt.suh.x));
+    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(wt.suh.y));
     float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
     wht128_lane4(v, lane);
     o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
@@ -210,7 +206,8 @@ __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* _
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
     half2 o0, o1;
-    prep_lane_xh(PrepInput{x, ldx, nullptr, 0, 0}, suh, r, k, lane, o0, o1);
+    const PrepInput pin{x, ldx, nullptr, 0, 0};
+    prep_lane_xh(pin, PrepWeights(pin, suh, k), r, k, lane, o0, o1);
     *reinterpret_cast<uint2*>(xh + (size_t)r * in + k) = make_uint2(as_u32(o0), as_u32(o1));
     if (!sq) return;
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
@@ -245,7 +242,6 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
                                  float* __restrict__ csum, int rows, int in, int ng) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
-    pdl_wait_primary();
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
     {  // segment blockIdx.y of a grouped product: its own signs and output series
@@ -262,8 +258,10 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int r = task / nch;
     const int c = task - r * nch;
     const int k = c * 128 + lane * 4;
+    const PrepWeights wt(x, suh, k);
+    pdl_wait_primary();  // from here on: inputs the previous kernel writes, outputs it may read
     half2 o0, o1;
-    prep_lane_xh(x, suh, r, k, lane, o0, o1, in, blockIdx.y == 0);
+    prep_lane_xh(x, wt, r, k, lane, o0, o1, in, blockIdx.y == 0);
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -309,6 +307,8 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
 void set_pdl(bool enabled) { pdl_flag() = enabled; }
 bool pdl_setting() { return pdl_flag(); }
+void set_early_trigger(bool enabled) { early_trigger_flag() = enabled; }
+bool early_trigger_setting() { return early_trigger_flag(); }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 
 // ---------------------------------------------------------------------------------------------

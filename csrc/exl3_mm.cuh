@@ -111,6 +111,11 @@ inline int& gemv_min_units() {
     return v;
 }
 
+inline bool& early_trigger_flag() {
+    static bool v = false;
+    return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without the
 // attribute). The primary lets its dependent start; the dependent waits for the primary's
 // completion and memory before touching anything the primary writes.
@@ -123,6 +128,21 @@ __device__ __forceinline__ void pdl_wait_primary() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// The glue kernels (activation prep, RMSNorm, RoPE, gated activation, decode attention) are launched as
+// programmatic dependents on sm_90+: the launch and block scheduling of each overlaps the tail of
+// the kernel before it, the gap that a decode token's ~500 launches otherwise pay one by one. Each
+// such kernel calls pdl_wait_primary before it touches memory that kernels write (it may read
+// weights before), so it reads its inputs only once they are complete and writes nothing the
+// previous kernel may still read.
+inline bool glue_pdl() {
+    static int major[64] = {};
+    int dev = 0;
+    if (!pdl_flag() || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+    if (!major[dev] && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return false;
+    return major[dev] >= 9;
 }
 
 // A kernel launch that may run as a programmatic dependent of the kernel before it (pdl: the

@@ -35,6 +35,10 @@ struct MmArgs {
     // Version 3: launch with programmatic dependent launch (sm_90+), so the product's blocks start
     // and fetch trellis while the prep kernel before it still runs.
     bool pdl = false;
+    // Version 3 under pdl: let the kernel after this one launch as soon as this grid is resident
+    // (its launch and weight reads overlap the product); off (the default, see set_early_trigger):
+    // it launches when the product ends.
+    bool early_trigger = false;
     // Version 3, grouped product: the trellis is several linears concatenated along the columns;
     // segment s + 1 starts at column seg_cols[s] (unused entries stay past any column) and has
     // its own activations in xb (and, on the I8 path, its own scales and chunk sums).
@@ -93,6 +97,12 @@ void set_pdl(bool enabled);
 bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
+// Whether products and decode attention let the kernel after them launch while they run
+// (griddepcontrol.launch_dependents at their start). Off by default: measured on the H200 it cost
+// 1-4% of decode speed (the next product's trellis prefetch then competes with the running
+// kernel for DRAM; csrc/PERF_NOTES.md, session 5). Benchmarks turn it on (TRELLIS_EARLY_TRIGGER=1).
+void set_early_trigger(bool enabled);
+bool early_trigger_setting();
 
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
@@ -125,6 +135,32 @@ struct KvStore {
 cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
                     int hk, int d, long q_batch, long q_tok, long k_batch, long k_tok,
                     const KvStore& store, cudaStream_t stream);
+
+// One-token decode attention (csrc/decode_attention.cu): q [B, H, 1, D] against k, v [B, Hkv, S, D]
+// (any strides with the last dim contiguous; k and v share them), H = Hkv * G, softmax over
+// scale * q.k + mask (additive [B or 1, S], 0 / -inf; null: none), out [B, H, 1, D]. Strides in
+// elements. With n_split > 1 the blocks of a (batch, kv head) merge through ws
+// (decode_attention_ws_floats) and counters (one int per batch x kv head x head group, zero
+// between calls; the kernel leaves them zero).
+struct DecodeAttnArgs {
+    const half* q = nullptr;
+    long q_b = 0, q_h = 0;
+    const half* k = nullptr;
+    const half* v = nullptr;
+    long kv_b = 0, kv_h = 0, kv_t = 0;
+    const half* mask = nullptr;
+    long mask_b = 0;
+    half* out = nullptr;
+    long o_b = 0, o_h = 0;
+    float* ws = nullptr;
+    int* counters = nullptr;
+    int B = 0, Hkv = 0, G = 0, S = 0, D = 0, n_split = 1;
+    float scale = 1.f;
+    bool early_trigger = false;  // see set_early_trigger
+};
+int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
+size_t decode_attention_ws_floats(int batch, int kv_heads, int groups, int head_dim, int n_split);
+cudaError_t decode_attention(const DecodeAttnArgs& args, cudaStream_t stream);
 
 // Tail-biting Viterbi encoder (spec 5.6, same result as engine/quantize/viterbi.py): targets fp32
 // [n, 256] in stream order, lut the codebook's 65536 fp16 values, states int32 [n, 256]. `blocks`

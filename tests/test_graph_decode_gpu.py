@@ -67,6 +67,35 @@ def test_replay_equals_eager_every_family(family, tmp_path):
     assert_same_logits(replayed, plain, rel=1e-4)
 
 
+def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatch):
+    """The captured one-token steps take the decode-attention kernel (not a quiet fallback to
+    SDPA), and give SDPA's logits."""
+    from engine import ops
+
+    served = []
+    real = ops.decode_attention
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ops, "decode_attention", counting)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, fixture_model.config.vocab_size, (1, 40), generator=g).cuda()
+    logits = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(ops, "ATTN_KERNEL", kernel)
+        served.clear()
+        decoder = GraphDecoder(fixture_model)
+        logits[kernel] = decode_logits(fixture_model, decoder.new_cache(1, 64), ids, prompt=30, step=decoder.step)
+        assert decoder.disabled is None, decoder.disabled
+        assert any(served) == kernel
+    for a, b in zip(logits[True], logits[False]):
+        assert _rel_rms(a, b) < 1e-2
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):
     from engine.tokenizer import Tokenizer
 

@@ -97,6 +97,47 @@ def test_large_layer_matches_reference(cb):
         assert rel_rms(ops.exl3_gemm(x, t), fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
 
 
+@pytest.mark.parametrize("variant", range(10, 20))
+def test_occupancy_configurations_match_reference(ext, variant):
+    """Each gv_tune configuration (benchmark knob today, a default tomorrow) computes the same
+    product: tiles per unit, ring depth and blocks per SM change only the schedule."""
+    t = rand_layer(1024, 1536, 4, "mul1", seed=17, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    ext.set_mm_debug_variant(variant)
+    try:
+        for rows, int8 in ((1, True), (1, False), (5, True), (8, False), (17, False), (32, False)):
+            x = torch.randn(rows, 1024, device=DEV).half()
+            y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
+            err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
+            assert err < 2e-3, (variant, rows, int8, err)
+    finally:
+        ext.set_mm_debug_variant(0)
+    for w in ops._workspaces.values():
+        assert float(w.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (4, "3inst"), (3, "mcg")])
+def test_two_row_units_of_large_layers_match_reference(K, cb):
+    """Layers large enough for two k rows per unit (4096x28672: 28,672 row pairs of 128 columns
+    against 8 per resident warp) give the reference's product on both arithmetic paths, and the
+    same as the one-row configuration (debug variant 10) up to fp32 summation order."""
+    t = rand_layer(4096, 28672, K, cb, seed=31 + K)
+    ext = ops.extension()
+    for rows, int8 in ((1, True), (1, False), (3, True), (8, False)):
+        if int8 and cb != "mul1":
+            continue
+        x = torch.randn(rows, 4096, device=DEV).half()
+        x[:, 11] = 30.0
+        y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, (rows, int8)
+        ext.set_mm_debug_variant(10)
+        try:
+            y1 = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
+        finally:
+            ext.set_mm_debug_variant(0)
+        assert rel_rms(y, y1) < 1e-3, (rows, int8)
+
+
 def test_int8_path_with_zero_and_tiny_rows():
     t = rand_layer(512, 256, 4, "mul1", seed=11)
     x = torch.randn(3, 512, device=DEV).half()
@@ -341,3 +382,36 @@ def test_pending_norm_computed_in_the_grouped_prep(with_residual):
         assert p.normed is None and torch.equal(ops.as_sum(p), s), rows
         for a, b in zip(got, want):
             assert rel_rms(a, b) < 1e-3, (rows, int8)
+
+
+@pytest.mark.parametrize("D,H,Hkv", [(128, 32, 8), (64, 9, 3), (128, 28, 4), (256, 8, 8), (64, 14, 2), (128, 5, 5)])
+@pytest.mark.parametrize("S", [1, 37, 256, 4100])
+def test_decode_attention_matches_reference(D, H, Hkv, S):
+    """One-token attention against the fp32 reference: grouped heads (1 to 7 per kv head, so head
+    groups of 4 with a partial last one), strided cache slices, a mask that hides the tail and
+    one that also hides a window's head, and one split or many."""
+    from engine.models.layers import one_query_attention
+
+    g = torch.Generator(device=DEV).manual_seed(S * 7 + D + H)
+    B, slots = 2, S + 24
+    cache_k = torch.randn(B, Hkv, slots, D, generator=g, device=DEV).half()
+    cache_v = torch.randn(B, Hkv, slots, D, generator=g, device=DEV).half()
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+    q = torch.randn(B, 1, H, D, generator=g, device=DEV).half().transpose(1, 2)  # [B, H, 1, D], strided
+    scale = D ** -0.5
+    pos = max(0, (2 * S) // 3)
+    tail = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    tail[:, pos + 1:] = float("-inf")
+    window = tail.clone()
+    window[:, : max(0, pos - 40)] = float("-inf")
+    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
+    per_row[1, S // 2 + 1:] = float("-inf")
+    for mask in (None, tail, window, per_row):
+        for _ in range(2):  # the second call finds the counters the first left behind
+            got = ops.decode_attention(q, k, v, mask, scale)
+            assert got is not None and got.shape == (B, H, 1, D) and got.dtype == torch.float16
+            ref_mask = None if mask is None else mask.float()[:, None, None, :]  # [B or 1, 1, 1, S]
+            want = one_query_attention(q.float(), k.float(), v.float(), ref_mask, scale)
+            assert rel_rms(got, want) < 2e-3, (mask is None, rel_rms(got, want))
+    assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
+

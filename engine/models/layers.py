@@ -210,6 +210,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     if softcap is None and T == 1 and q.device.type == "cpu":
         return one_query_attention(q, k, v, mask, scale)
+    if softcap is None and T == 1 and q.is_cuda:
+        out = ops.decode_attention(q, k, v, mask, scale)  # None: not a layout the kernel takes
+        if out is not None:
+            return out
 
     if softcap is None:
         kwargs = {"scale": scale}

@@ -31,6 +31,10 @@ MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
 # (TRELLIS_GLUE=0) to time the same model with the PyTorch ops they replace.
 GLUE_KERNELS = os.environ.get("TRELLIS_GLUE", "1") != "0"
 
+# One-token decode attention kernel (csrc/decode_attention.cu) instead of SDPA: on by default;
+# TRELLIS_ATTN=sdpa (or a benchmark setting ATTN_KERNEL) keeps SDPA for a same-run ratio.
+ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "0", "off")
+
 _ext = None
 _ext_error: Exception | None = None
 _workspaces: dict[torch.device, torch.Tensor] = {}
@@ -57,6 +61,13 @@ def extension():
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
         _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
+        # Whether the kernel after a product or decode attention may launch while it runs (off by
+        # default: it measured slower, csrc/PERF_NOTES.md; TRELLIS_EARLY_TRIGGER=1 turns it on).
+        _ext.set_early_trigger(os.environ.get("TRELLIS_EARLY_TRIGGER", "0") == "1")
+        # Occupancy configuration of the K = 4 product (10 + CFG; benchmark knob, csrc/exl3_gemv.cuh).
+        variant = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
+        if variant >= 10:
+            _ext.set_mm_debug_variant(variant)
     return _ext
 
 
@@ -104,6 +115,52 @@ def block_counters(device: torch.device, numel: int) -> torch.Tensor:
 
 
 _counters: dict = {}
+
+
+# ------------------------------------------------------------------------------------------
+# Attention
+
+_attn_scratch: dict = {}
+
+
+def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Shapes and layouts the decode-attention kernel takes (everything else stays on SDPA)."""
+    if not (ATTN_KERNEL and q.dim() == 4 and k.dim() == 4 and q.shape[2] == 1 and _use_cuda(q, k, v, mask)):
+        return False
+    B, H, _, D = q.shape
+    if D not in (64, 128, 256) or k.shape != v.shape or k.stride() != v.stride() or k.shape[0] != B:
+        return False
+    if k.shape[3] != D or H % k.shape[1] or q.stride(3) != 1 or k.stride(3) != 1:
+        return False
+    dl = D // 32
+    for t in (q, k):
+        if t.data_ptr() % (2 * dl) or t.stride(0) % dl or t.stride(1) % dl or (t.shape[2] > 1 and t.stride(2) % dl):
+            return False
+    if v.data_ptr() % (2 * dl):
+        return False
+    if mask is not None:
+        if mask.dim() != 2 or mask.shape[0] not in (1, B) or mask.shape[1] != k.shape[2] or mask.stride(1) != 1:
+            return False
+    return True
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor | None:
+    """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
+    (grouped heads read in place), mask additive [1 or B, S] or None. None when the kernel does
+    not take these tensors; the caller then runs SDPA (models/layers.attention)."""
+    if not _decode_attention_serves(q, k, v, mask):
+        return None
+    B, H, _, D = q.shape
+    kv_heads = k.shape[1]
+    blocks = B * kv_heads * -(-(H // kv_heads) // 4)
+    ws_need, cnt_need = blocks * 64 * 4 * (D + 2), blocks  # the kernel splits a row 64 ways at most
+    ws, counters = _attn_scratch.get(q.device, (None, None))
+    if ws is None or ws.numel() < ws_need or counters.numel() < cnt_need:
+        ws = torch.empty(max(ws_need, 1 << 18), dtype=torch.float32, device=q.device)
+        counters = torch.zeros(max(cnt_need, 1024), dtype=torch.int32, device=q.device)
+        _attn_scratch[q.device] = (ws, counters)
+    return extension().decode_attention(q, k, v, mask, float(scale), ws, counters)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,329 @@
+// Attention for one-token decode steps: one query per sequence against its KV cache.
+//
+// Why a kernel of our own: at batch 1 a layer's decode attention reads a few hundred KB (Llama-
+// 3.1-8B at 256 cached slots: 1 MB), a fraction of a microsecond of bandwidth, yet SDPA's kernels
+// took ~5.3 us per layer (csrc/PERF_NOTES.md, session 5), and SDPA cannot be launched as a
+// programmatic dependent of the RoPE/cache-write kernel before it, as this kernel is (its launch
+// then overlaps that kernel). Measured: the same 5.3 us per call in isolation, 1-4% faster decode.
+//
+// Shape of the work: block (split, kv head x head group, batch) of 8 warps; a head group is up
+// to 4 query heads that share a kv head (grouped-query attention), so K and V are read once for
+// all of them. Each warp walks its share of the block's keys, loading 16 at a time (one memory
+// round trip) and scoring them 8 at a time: a lane owns D/32 dimensions, so every K and V row is
+// one coalesced read; the 32 partial dot products of a step (4 heads x 8 keys) are summed across
+// lanes with a transposing butterfly (31 shuffles, lane l ends with sum l), then an online
+// softmax in base 2. Loads whose keys are all masked (-inf: slots past the position, outside a
+// window) are skipped. At batch 1 the GPU is nearly idle here, so the design counts memory round
+// trips, not bandwidth: 256 cached slots take one block per kv head and two loads per warp. The
+// warps' partial results merge in shared memory; when there are several splits, each block writes its
+// partial (o, max, sum) to a workspace and the last block to finish a (batch, head group) merges
+// them (a completion counter, as the product's output stage does), so one launch does it all.
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "exl3_mm.cuh"  // pdl helpers, launch_pdl
+#include "kernels.h"
+
+namespace trellis {
+
+constexpr int kAttnWarps = 8;
+constexpr int kAttnHeads = 4;  // query heads per block
+constexpr int kAttnKeys = 8;   // keys per warp step (the 4 x 8 scores of one transposed sum)
+// Keys a warp loads at once: two steps' worth, so one memory round trip serves 16 keys (one
+// step for D = 256, whose rows would take too many registers).
+template <int DL>
+__host__ __device__ constexpr int attn_batch_keys() {
+    return DL <= 4 ? 2 * kAttnKeys : kAttnKeys;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int DL>
+struct HalfRow;
+template <>
+struct HalfRow<2> {
+    using T = unsigned int;
+};
+template <>
+struct HalfRow<4> {
+    using T = uint2;
+};
+template <>
+struct HalfRow<8> {
+    using T = uint4;
+};
+
+// DL consecutive halves at p (aligned to their size), as floats.
+template <int DL>
+__device__ __forceinline__ void halves_to_floats(const typename HalfRow<DL>::T& raw, float f[DL]) {
+    const half2* h = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < DL / 2; ++i) {
+        const float2 t = __half22float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+// Coherent loads, not __ldg: q and the cache are written by the kernel just before this one,
+// which under programmatic dependent launch may still run when this grid starts; the
+// non-coherent path may serve lines from before its writes.
+template <int DL>
+__device__ __forceinline__ typename HalfRow<DL>::T load_row(const half* p) {
+    return *reinterpret_cast<const typename HalfRow<DL>::T*>(p);
+}
+
+__device__ __forceinline__ void attn_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
+// One round of the transposing butterfly: lanes with bit W set keep the upper W of the 2W values
+// they hold, the others the lower W, each adding its partner's copy of the half it keeps.
+template <int W>
+__device__ __forceinline__ void transpose_round(float v[32], int lane) {
+    const bool upper = (lane & W) != 0;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const float lo = v[i], hi = v[i + W];
+        const float send = upper ? lo : hi;
+        const float keep = upper ? hi : lo;
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+    }
+}
+
+// v[0..31] per lane -> the return value of lane l is the sum over lanes of v[l] (31 shuffles
+// instead of 5 for each of the 32 sums).
+__device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
+    transpose_round<16>(v, lane);
+    transpose_round<8>(v, lane);
+    transpose_round<4>(v, lane);
+    transpose_round<2>(v, lane);
+    transpose_round<1>(v, lane);
+    return v[0];
+}
+
+template <int DL>
+__global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const DecodeAttnArgs a) {
+    constexpr int D = 32 * DL;
+    constexpr int PS = kAttnHeads * (D + 2);  // floats per block partial: o, then max, then sum
+    __shared__ float sm_o[kAttnWarps][kAttnHeads][D];
+    __shared__ float sm_m[kAttnWarps][kAttnHeads], sm_l[kAttnWarps][kAttnHeads];
+    __shared__ int sm_last;
+
+    if (a.early_trigger) pdl_launch_dependents();  // the next kernel waits for this grid anyway
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nhg = (a.G + kAttnHeads - 1) / kAttnHeads;
+    const int kvh = blockIdx.y / nhg, hg = blockIdx.y - kvh * nhg, b = blockIdx.z;
+    const int g0 = hg * kAttnHeads;
+    const int ng = min(kAttnHeads, a.G - g0);  // real heads in this group
+    const int per_split = (a.S + a.n_split - 1) / a.n_split;
+    const int s0 = blockIdx.x * per_split, s1 = min(a.S, s0 + per_split);
+    const int per_warp = ((s1 - s0 + kAttnWarps - 1) / kAttnWarps + kAttnKeys - 1) / kAttnKeys * kAttnKeys;  // whole steps
+    const int j_begin = s0 + warp * per_warp, j_end = min(s1, j_begin + per_warp);
+    const half* kp = a.k + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
+    const half* vp = a.v + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
+    const half* mrow = a.mask ? a.mask + (size_t)b * a.mask_b : nullptr;
+
+    pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
+    float q[kAttnHeads][DL];
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g) {
+        if (g < ng) {
+            const half* qp = a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + g) * a.q_h + lane * DL;
+            halves_to_floats<DL>(load_row<DL>(qp), q[g]);
+#pragma unroll
+            for (int d = 0; d < DL; ++d) q[g][d] *= a.scale * kLog2e;  // scores in base-2 units
+        } else {
+#pragma unroll
+            for (int d = 0; d < DL; ++d) q[g][d] = 0.f;
+        }
+    }
+    float o[kAttnHeads][DL];
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g)
+#pragma unroll
+        for (int d = 0; d < DL; ++d) o[g][d] = 0.f;
+    // Lane l tracks head l / 8 (the transposed sums put head g's 8 scores on lanes 8g..8g+7).
+    float m_run = -INFINITY, l_run = 0.f;
+    const int my_head = lane >> 3, my_key = lane & 7;
+
+    constexpr int KB = attn_batch_keys<DL>();
+    for (int jb = j_begin; jb < j_end; jb += KB) {
+        float mk[KB / kAttnKeys];  // this lane's key (my_key) of each step, mask in base 2
+        bool any = false;
+#pragma unroll
+        for (int h = 0; h < KB / kAttnKeys; ++h) {
+            const int jm = jb + h * kAttnKeys + my_key;
+            mk[h] = -INFINITY;
+            if (jm < j_end) mk[h] = mrow ? __half2float(mrow[jm]) * kLog2e : 0.f;
+            any |= mk[h] != -INFINITY;
+        }
+        if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended: no K/V reads
+        typename HalfRow<DL>::T kr[KB], vr[KB];
+#pragma unroll
+        for (int i = 0; i < KB; ++i) {
+            if (jb + i < j_end) {
+                kr[i] = load_row<DL>(kp + (size_t)(jb + i) * a.kv_t);
+                vr[i] = load_row<DL>(vp + (size_t)(jb + i) * a.kv_t);
+            } else {
+                kr[i] = typename HalfRow<DL>::T{};
+                vr[i] = typename HalfRow<DL>::T{};
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < KB / kAttnKeys; ++h) {
+            float part[kAttnHeads * kAttnKeys];
+#pragma unroll
+            for (int i = 0; i < kAttnKeys; ++i) {
+                float kf[DL];
+                halves_to_floats<DL>(kr[h * kAttnKeys + i], kf);
+#pragma unroll
+                for (int g = 0; g < kAttnHeads; ++g) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int d = 0; d < DL; ++d) acc = fmaf(q[g][d], kf[d], acc);
+                    part[g * kAttnKeys + i] = acc;
+                }
+            }
+            float s = transpose_sum32(part, lane) + mk[h];  // head my_head, key my_key
+            if (my_head >= ng) s = -INFINITY;
+            float bmax = s;
+#pragma unroll
+            for (int o8 = 1; o8 < 8; o8 <<= 1) bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, o8));
+            const float m_new = fmaxf(m_run, bmax);
+            const bool none = m_new == -INFINITY;  // every key so far masked for this head
+            const float alpha = none ? 1.f : exp2f(m_run - m_new);
+            const float p = none ? 0.f : exp2f(s - m_new);
+            float psum = p;
+#pragma unroll
+            for (int o8 = 1; o8 < 8; o8 <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o8);
+            l_run = l_run * alpha + psum;
+            m_run = m_new;
+#pragma unroll
+            for (int g = 0; g < kAttnHeads; ++g) {
+                const float al = __shfl_sync(0xffffffffu, alpha, g * 8);
+#pragma unroll
+                for (int d = 0; d < DL; ++d) o[g][d] *= al;
+            }
+#pragma unroll
+            for (int i = 0; i < kAttnKeys; ++i) {
+                float vf[DL];
+                halves_to_floats<DL>(vr[h * kAttnKeys + i], vf);
+#pragma unroll
+                for (int g = 0; g < kAttnHeads; ++g) {
+                    const float pg = __shfl_sync(0xffffffffu, p, g * 8 + i);
+#pragma unroll
+                    for (int d = 0; d < DL; ++d) o[g][d] = fmaf(pg, vf[d], o[g][d]);
+                }
+            }
+        }
+    }
+
+    // Merge the block's warps: warp g < 4 then owns head g.
+    if (my_key == 0) {
+        sm_m[warp][my_head] = m_run;
+        sm_l[warp][my_head] = l_run;
+    }
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g)
+#pragma unroll
+        for (int d = 0; d < DL; ++d) sm_o[warp][g][lane * DL + d] = o[g][d];
+    __syncthreads();
+    const int g = warp;  // warps 0..3 merge one head each; the others only take part in the count
+    const bool merges = g < kAttnHeads;
+    float M = -INFINITY, L = 0.f, O[DL];
+#pragma unroll
+    for (int d = 0; d < DL; ++d) O[d] = 0.f;
+    if (merges) {
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w][g]);
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) {
+            const float c = M == -INFINITY ? 0.f : exp2f(sm_m[w][g] - M);
+            L = fmaf(c, sm_l[w][g], L);
+#pragma unroll
+            for (int d = 0; d < DL; ++d) O[d] = fmaf(c, sm_o[w][g][lane * DL + d], O[d]);
+        }
+    }
+    auto write_out = [&](const float* acc, float sum) {
+        const size_t at = (size_t)b * a.o_b + (size_t)(kvh * a.G + g0 + g) * a.o_h + lane * DL;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        typename HalfRow<DL>::T raw;
+        half2* h = reinterpret_cast<half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < DL / 2; ++i) h[i] = __floats2half2_rn(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+        *reinterpret_cast<typename HalfRow<DL>::T*>(a.out + at) = raw;
+    };
+    if (a.n_split == 1) {
+        if (merges && g < ng) write_out(O, L);
+        return;
+    }
+
+    // Several splits: publish this block's partial; the last block of the group merges them.
+    const size_t group = (size_t)b * gridDim.y + blockIdx.y;
+    if (merges) {
+        float* part_ws = a.ws + (group * a.n_split + blockIdx.x) * PS;
+#pragma unroll
+        for (int d = 0; d < DL; ++d) part_ws[g * D + lane * DL + d] = O[d];
+        if (lane == 0) {
+            part_ws[kAttnHeads * D + g] = M;
+            part_ws[kAttnHeads * D + kAttnHeads + g] = L;
+        }
+    }
+    attn_fence();  // release: the partial before the count
+    __syncthreads();
+    if (threadIdx.x == 0) sm_last = atomicAdd(a.counters + group, 1) == a.n_split - 1;
+    __syncthreads();
+    if (!sm_last) return;
+    attn_fence();  // acquire: every counted partial is visible
+    if (merges && g < ng) {
+        const float* ws0 = a.ws + group * a.n_split * PS;
+        float MM = -INFINITY;
+        for (int sp = lane; sp < a.n_split; sp += 32) MM = fmaxf(MM, __ldcg(ws0 + sp * PS + kAttnHeads * D + g));
+#pragma unroll
+        for (int o32 = 16; o32 > 0; o32 >>= 1) MM = fmaxf(MM, __shfl_xor_sync(0xffffffffu, MM, o32));
+        float LL = 0.f, OO[DL];
+#pragma unroll
+        for (int d = 0; d < DL; ++d) OO[d] = 0.f;
+        for (int sp = 0; sp < a.n_split; ++sp) {
+            const float* pw = ws0 + sp * PS;
+            const float m = __ldcg(pw + kAttnHeads * D + g);
+            const float c = MM == -INFINITY ? 0.f : exp2f(m - MM);
+            LL = fmaf(c, __ldcg(pw + kAttnHeads * D + kAttnHeads + g), LL);
+#pragma unroll
+            for (int d = 0; d < DL; ++d) OO[d] = fmaf(c, __ldcg(pw + g * D + lane * DL + d), OO[d]);
+        }
+        write_out(OO, LL);
+    }
+    if (threadIdx.x == 0) a.counters[group] = 0;  // ready for the next call
+}
+
+int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms) {
+    const int blocks_per_split = batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
+    // About 32 keys per warp (two loads of 16: one memory round trip each), more splits only to
+    // fill the GPU; every split beyond one costs the merge through the workspace.
+    int n = (slots + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
+    const int cap = (2 * (sms > 0 ? sms : 132) + blocks_per_split - 1) / blocks_per_split;  // ~2 blocks per SM
+    n = n < cap ? n : cap;
+    n = n < 64 ? n : 64;
+    return n > 0 ? n : 1;
+}
+
+size_t decode_attention_ws_floats(int batch, int kv_heads, int groups, int head_dim, int n_split) {
+    const size_t blocks = (size_t)batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
+    return n_split > 1 ? blocks * n_split * kAttnHeads * (head_dim + 2) : 0;
+}
+
+cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
+    if (a.B < 1 || a.Hkv < 1 || a.G < 1 || a.S < 1 || a.n_split < 1) return cudaErrorInvalidValue;
+    if (a.n_split > 1 && (!a.ws || !a.counters)) return cudaErrorInvalidValue;
+    const dim3 grid((unsigned)a.n_split, (unsigned)(a.Hkv * ((a.G + kAttnHeads - 1) / kAttnHeads)), (unsigned)a.B);
+    const dim3 block(kAttnWarps * 32);
+    const bool pdl = glue_pdl();
+    switch (a.D) {
+        case 64: return launch_pdl(decode_attention_kernel<2>, grid, block, 0, stream, pdl, a);
+        case 128: return launch_pdl(decode_attention_kernel<4>, grid, block, 0, stream, pdl, a);
+        case 256: return launch_pdl(decode_attention_kernel<8>, grid, block, 0, stream, pdl, a);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace trellis
