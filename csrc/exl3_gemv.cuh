@@ -40,11 +40,12 @@ __host__ __device__ constexpr int gv_stages() {
     return K <= 4 ? 8 : 5;
 }
 
-// Occupancy configurations (CFG, a template argument; 0 is the shipped one). A configuration
-// trades the tiles per unit (CT) and the ring depth (NS) for resident blocks per SM (MINB, which
-// also caps the registers at 65536 / (256 MINB)): more warps hide the decode's dependency chains,
-// fewer registers and stages per warp pay for them. Selected for K = 4 by the debug variant
-// 10 + CFG (bench.linear --variant, TRELLIS_GV_VARIANT) to measure which one a GPU prefers.
+// Configurations (CFG, a template argument). A configuration trades the tiles per unit (CT), the
+// ring depth (NS) and the k rows per unit (kr) for resident blocks per SM (MINB, which also caps
+// the registers at 65536 / (256 MINB)). Shipped: 0 (8 tiles, one k row, 2 blocks), and 9 (two k
+// rows) for large layers. For K = 4 the debug variant 10 + CFG (bench.linear --variants,
+// TRELLIS_GV_VARIANT) selects one, to measure what a GPU prefers: on the H200 more blocks per SM
+// never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5).
 struct GvTune {
     int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
 };
@@ -118,8 +119,8 @@ __host__ __device__ constexpr int gv_stage_words() {
 }
 
 // The fences around the completion count: release before the count, acquire after the last one
-// is seen. An acq_rel fence orders exactly that; __threadfence is a sequentially consistent one,
-// which costs more (ncu on small layers: membar stalls on it).
+// is seen. An acq_rel fence (MEMBAR.ALL.GPU) orders exactly that; __threadfence is a sequentially
+// consistent one (MEMBAR.SC.GPU). Small layers timed the same with either (session 5).
 __device__ __forceinline__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
