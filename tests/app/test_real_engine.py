@@ -56,7 +56,13 @@ def test_chat_with_the_real_engine(qtbot, make_client, ref_fixtures, tmp_path):
     assert answer.state == S.DONE, answer.stats
     assert 1 <= answer.stats["generated_tokens"] <= 16 and answer.stats["finish_reason"] in ("stop", "length")
     assert "".join(pieces) == answer.content and len(pieces) >= min(2, answer.stats["generated_tokens"])
-    assert answer.stats["prompt_tokens"] > 0 and answer.stats["tokens_per_s"] > 0
+    assert answer.stats["prompt_tokens"] > 0
+    # a decode rate exists only past the first token (that one belongs to the prompt's time); the
+    # fixture's random weights sometimes stop right there
+    if answer.stats["generated_tokens"] > 1:
+        assert answer.stats["tokens_per_s"] > 0
+    else:
+        assert answer.stats["tokens_per_s"] == 0
 
     # regenerate: a second alternative beside the first
     with qtbot.waitSignal(w.session.streaming_changed, timeout=60000, check_params_cb=lambda on: not on):
