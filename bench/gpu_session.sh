@@ -5,12 +5,7 @@
 # carry .devcarry, and run `bash bench/gpu_session.sh`. Logs land in $OUT/log.txt.
 # The converter quality run is bench/convert_session.sh: the SmolLM2 GGUF (98 MB) is over the 64 MiB
 # carry limit, so it goes over in two parts in back-to-back calls (see that script).
-export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
-L=$OUT/log.txt
-t0=$(date +%s)
-timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
-echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
+source bench/gpu_common.sh
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph-sdpa cuda-graph --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
 # The previous version in the same run: a copy of an earlier commit's engine/csrc/bench under
@@ -18,12 +13,6 @@ timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-grap
 if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 128 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi
 echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -3 | tee -a $L; TRELLIS_GROUP=0 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -2 | sed "s/^/nogroup /" | tee -a $L
-SUM='import sys,json
-for l in sys.stdin:
-  try: r=json.loads(l)
-  except Exception: print(l.strip()); continue
-  if "us" in r: print(r["bench"],r.get("variant",""),r["path"],r["shape"],r["codebook"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r["reference_ratio_vs_fp16"],"GBps",r["trellis_GBps"])
-  else: print(l.strip())'
 echo "== linear $(( $(date +%s)-t0 ))s" | tee -a $L
 TRELLIS_INT8=0 timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths fused fused2 --cache cold --calls 100 --warmup 10 2>&1 | tee $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L
 TRELLIS_INT8=0 timeout 40 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 6 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | tee -a $OUT/linear.jsonl | python3 -c "$SUM" | tee -a $L

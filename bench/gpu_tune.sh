@@ -4,20 +4,12 @@
 # small layers next to the previous version (.devcarry/prev, see gpu_session.sh), whole-model
 # decode with the attention kernel and with SDPA, each with the early trigger off (default) and
 # on, the previous version's decode, a kernel breakdown and ncu of the int8 product. QUICK=1
-# leaves out the K sweep, graph timing, prefill, the breakdown and ncu (a validation call on little device time). VARS adds gv_tune configurations (10 + CFG) to the per-layer and decode runs.
+# leaves out the K sweep, graph timing, prefill, the breakdown and ncu (a validation call on
+# little device time). VARS adds gv_tune configurations (10 + CFG) to the per-layer and decode
+# runs.
 # Logs land in $OUT/log.txt.
-export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
-L=$OUT/log.txt
-t0=$(date +%s)
 VARS=${VARS:-"0 10"}
-timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
-echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 200 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
-SUM='import sys,json
-for l in sys.stdin:
-  try: r=json.loads(l)
-  except Exception: continue
-  if "us" in r: print(r["bench"],r.get("variant",""),r["shape"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r.get("reference_ratio_vs_fp16"),"check",r.get("check_rel_rms"))'
+source bench/gpu_common.sh
 echo "== linear, int8 at m=1 $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 120 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 100 --warmup 10 --variants $VARS 2>&1 | grep tune | tee $OUT/tune_i8.jsonl | python3 -c "$SUM" | tee -a $L
 echo "== linear, fp16 path $(( $(date +%s)-t0 ))s" | tee -a $L

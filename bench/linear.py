@@ -238,10 +238,8 @@ def tune(args) -> None:
     checked against the reference and timed cold, so that one run picks the best."""
     from engine import ops
 
-    ext = ops.extension()
     for variant in args.variants:
-        ext.set_mm_debug_variant(variant)
-        try:
+        with ops.debug_variant(variant):
             for shape in args.shapes:
                 n_in, n_out = (int(v) for v in shape.split("x"))
                 checks = {m: round(check_once(n_in, n_out, 4, "mul1", m), 6) for m in args.m}
@@ -249,23 +247,17 @@ def tune(args) -> None:
                                        out=open("/dev/null", "w")):
                     print(json.dumps({**row, "bench": "linear_tune", "variant": variant,
                                       "check_rel_rms": checks.get(row["m"])}), flush=True)
-        finally:
-            ext.set_mm_debug_variant(0)
 
 
 def probe(args) -> None:
     """Which stage limits the fused kernel: time it whole, without decode, without MMAs."""
     from engine import ops
 
-    ext = ops.extension()
     for shape in args.shapes:
         for variant, name in ((1, "no_decode"), (2, "no_mma"), (3, "one_stream"), (0, "full")):
-            ext.set_mm_debug_variant(variant)
-            try:
+            with ops.debug_variant(variant):
                 for row in bench_shape(shape, args.m, args.K, args.codebook, ["fused"], True, args.calls, args.warmup, out=open("/dev/null", "w")):
                     print(json.dumps({**row, "bench": "linear_probe", "variant": name}), flush=True)
-            finally:
-                ext.set_mm_debug_variant(0)
 
 
 if __name__ == "__main__":

@@ -321,11 +321,10 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 
 
 // One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
-// strides), mask additive fp16 [1 or B, S] or none; ws (fp32) and counters (int32, zero) are the
+// strides), mask additive fp16 [1 or B, S] or none; counters (int32, zero, left zero) are the
 // caller's persistent scratch. Returns out [B, H, 1, D].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor ws,
-                               torch::Tensor counters) {
+                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor counters) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -354,17 +353,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     a.B = (int)B, a.Hkv = (int)Hkv, a.G = (int)(H / Hkv), a.S = (int)S, a.D = (int)D;
     a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms);
-    TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == torch::kFloat &&
-                    (size_t)ws.numel() >= trellis::decode_attention_ws_floats(a.B, a.Hkv, a.G, a.D, a.n_split),
-                "decode_attention: workspace too small");
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
-                    counters.numel() >= B * Hkv * ((a.G + 3) / 4),
+                    counters.numel() >= trellis::decode_attention_counters(a.B, a.Hkv, a.G),
                 "decode_attention: too few counters");
+    // The splits' partial results: written before they are read, so no zeroing.
+    torch::Tensor ws;
+    const size_t ws_floats = trellis::decode_attention_ws_floats(a.B, a.Hkv, a.G, a.D, a.n_split);
+    if (ws_floats > 0) ws = torch::empty({(int64_t)ws_floats}, q.options().dtype(torch::kFloat));
     a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
     a.k = hptr(k), a.v = hptr(v);
     a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
     a.out = hptr_mut(out), a.o_b = (long)(H * D), a.o_h = (long)D;
-    a.ws = ws.data_ptr<float>(), a.counters = counters.data_ptr<int32_t>();
+    a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
     a.early_trigger = trellis::early_trigger_setting();
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));

@@ -22,7 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "exl3_mm.cuh"  // pdl helpers, launch_pdl
+#include "exl3_mm.cuh"  // pdl helpers, launch_pdl, fence_acq_rel_gpu
 #include "kernels.h"
 
 namespace trellis {
@@ -72,8 +72,6 @@ template <int DL>
 __device__ __forceinline__ typename HalfRow<DL>::T load_row(const half* p) {
     return *reinterpret_cast<const typename HalfRow<DL>::T*>(p);
 }
-
-__device__ __forceinline__ void attn_fence() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
 // One round of the transposing butterfly: lanes with bit W set keep the upper W of the 2W values
 // they hold, the others the lower W, each adding its partner's copy of the half it keeps.
@@ -268,12 +266,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
             part_ws[kAttnHeads * D + kAttnHeads + g] = L;
         }
     }
-    attn_fence();  // release: the partial before the count
+    fence_acq_rel_gpu();  // release: the partial before the count
     __syncthreads();
     if (threadIdx.x == 0) sm_last = atomicAdd(a.counters + group, 1) == a.n_split - 1;
     __syncthreads();
     if (!sm_last) return;
-    attn_fence();  // acquire: every counted partial is visible
+    fence_acq_rel_gpu();  // acquire: every counted partial is visible
     if (merges && g < ng) {
         const float* ws0 = a.ws + group * a.n_split * PS;
         float MM = -INFINITY;
@@ -296,8 +294,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
     if (threadIdx.x == 0) a.counters[group] = 0;  // ready for the next call
 }
 
+// Blocks per split: one per batch row, kv head and group of up to kAttnHeads query heads (each
+// with its completion counter).
+int decode_attention_counters(int batch, int kv_heads, int groups) {
+    return batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
+}
+
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms) {
-    const int blocks_per_split = batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
+    const int blocks_per_split = decode_attention_counters(batch, kv_heads, groups);
     // About 32 keys per warp (two loads of 16: one memory round trip each), more splits only to
     // fill the GPU; every split beyond one costs the merge through the workspace.
     int n = (slots + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
@@ -308,14 +312,14 @@ int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int 
 }
 
 size_t decode_attention_ws_floats(int batch, int kv_heads, int groups, int head_dim, int n_split) {
-    const size_t blocks = (size_t)batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
+    const size_t blocks = (size_t)decode_attention_counters(batch, kv_heads, groups);
     return n_split > 1 ? blocks * n_split * kAttnHeads * (head_dim + 2) : 0;
 }
 
 cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
     if (a.B < 1 || a.Hkv < 1 || a.G < 1 || a.S < 1 || a.n_split < 1) return cudaErrorInvalidValue;
     if (a.n_split > 1 && (!a.ws || !a.counters)) return cudaErrorInvalidValue;
-    const dim3 grid((unsigned)a.n_split, (unsigned)(a.Hkv * ((a.G + kAttnHeads - 1) / kAttnHeads)), (unsigned)a.B);
+    const dim3 grid((unsigned)a.n_split, (unsigned)(decode_attention_counters(1, a.Hkv, a.G)), (unsigned)a.B);
     const dim3 block(kAttnWarps * 32);
     const bool pdl = glue_pdl();
     switch (a.D) {

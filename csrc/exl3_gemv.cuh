@@ -118,13 +118,6 @@ __host__ __device__ constexpr int gv_stage_words() {
     return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG>();
 }
 
-// The fences around the completion count: release before the count, acquire after the last one
-// is seen. An acq_rel fence (MEMBAR.ALL.GPU) orders exactly that; __threadfence is a sequentially
-// consistent one (MEMBAR.SC.GPU). Small layers timed the same with either (session 5).
-__device__ __forceinline__ void fence_acq_rel_gpu() {
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-}
-
 // The output transform of one finished 128-column block (see finish_block in the kernel). Not
 // inlined: it runs about once per warp, and inlined its registers would crowd the main loop.
 static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half* __restrict__ y, int ldy,

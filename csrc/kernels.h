@@ -140,8 +140,8 @@ cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batc
 // (any strides with the last dim contiguous; k and v share them), H = Hkv * G, softmax over
 // scale * q.k + mask (additive [B or 1, S], 0 / -inf; null: none), out [B, H, 1, D]. Strides in
 // elements. With n_split > 1 the blocks of a (batch, kv head) merge through ws
-// (decode_attention_ws_floats) and counters (one int per batch x kv head x head group, zero
-// between calls; the kernel leaves them zero).
+// (decode_attention_ws_floats) and counters (decode_attention_counters of them, zero between
+// calls; the kernel leaves them zero).
 struct DecodeAttnArgs {
     const half* q = nullptr;
     long q_b = 0, q_h = 0;
@@ -159,6 +159,7 @@ struct DecodeAttnArgs {
     bool early_trigger = false;  // see set_early_trigger
 };
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
+int decode_attention_counters(int batch, int kv_heads, int groups);
 size_t decode_attention_ws_floats(int batch, int kv_heads, int groups, int head_dim, int n_split);
 cudaError_t decode_attention(const DecodeAttnArgs& args, cudaStream_t stream);
 

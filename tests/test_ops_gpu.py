@@ -98,20 +98,17 @@ def test_large_layer_matches_reference(cb):
 
 
 @pytest.mark.parametrize("variant", range(10, 20))
-def test_occupancy_configurations_match_reference(ext, variant):
+def test_occupancy_configurations_match_reference(variant):
     """Each gv_tune configuration (benchmark knob today, a default tomorrow) computes the same
     product: tiles per unit, ring depth and blocks per SM change only the schedule."""
     t = rand_layer(1024, 1536, 4, "mul1", seed=17, bias=True)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
-    ext.set_mm_debug_variant(variant)
-    try:
+    with ops.debug_variant(variant):
         for rows, int8 in ((1, True), (1, False), (5, True), (8, False), (17, False), (32, False)):
             x = torch.randn(rows, 1024, device=DEV).half()
             y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
             err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
             assert err < 2e-3, (variant, rows, int8, err)
-    finally:
-        ext.set_mm_debug_variant(0)
     for w in ops._workspaces.values():
         assert float(w.abs().max()) == 0.0
 
@@ -122,7 +119,6 @@ def test_two_row_units_of_large_layers_match_reference(K, cb):
     against 8 per resident warp) give the reference's product on both arithmetic paths, and the
     same as the one-row configuration (debug variant 10) up to fp32 summation order."""
     t = rand_layer(4096, 28672, K, cb, seed=31 + K)
-    ext = ops.extension()
     for rows, int8 in ((1, True), (1, False), (3, True), (8, False)):
         if int8 and cb != "mul1":
             continue
@@ -130,11 +126,8 @@ def test_two_row_units_of_large_layers_match_reference(K, cb):
         x[:, 11] = 30.0
         y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
         assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, (rows, int8)
-        ext.set_mm_debug_variant(10)
-        try:
+        with ops.debug_variant(10):
             y1 = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
-        finally:
-            ext.set_mm_debug_variant(0)
         assert rel_rms(y, y1) < 1e-3, (rows, int8)
 
 

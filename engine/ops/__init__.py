@@ -7,6 +7,7 @@ The reference paths are the specification the kernels are tested against; they r
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,12 @@ GLUE_KERNELS = os.environ.get("TRELLIS_GLUE", "1") != "0"
 # One-token decode attention kernel (csrc/decode_attention.cu) instead of SDPA: on by default;
 # TRELLIS_ATTN=sdpa (or a benchmark setting ATTN_KERNEL) keeps SDPA for a same-run ratio.
 ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "0", "off")
+
+# The fused product's configuration for K = 4 (TRELLIS_GV_VARIANT = 10 + CFG of csrc/exl3_gemv.cuh,
+# a benchmark knob); anything below 10 means the shipped one.
+_DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
+if _DEFAULT_VARIANT < 10:
+    _DEFAULT_VARIANT = 0
 
 _ext = None
 _ext_error: Exception | None = None
@@ -64,11 +71,21 @@ def extension():
         # Whether the kernel after a product or decode attention may launch while it runs (off by
         # default: it measured slower, csrc/PERF_NOTES.md; TRELLIS_EARLY_TRIGGER=1 turns it on).
         _ext.set_early_trigger(os.environ.get("TRELLIS_EARLY_TRIGGER", "0") == "1")
-        # Occupancy configuration of the K = 4 product (10 + CFG; benchmark knob, csrc/exl3_gemv.cuh).
-        variant = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
-        if variant >= 10:
-            _ext.set_mm_debug_variant(variant)
+        if _DEFAULT_VARIANT:
+            _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
     return _ext
+
+
+@contextmanager
+def debug_variant(variant: int):
+    """Run the products inside with a timing probe or configuration of the fused kernel (csrc/
+    exl3_gemv.cuh: 1-3 probes, 10 + CFG configurations), then go back to the configured one."""
+    ext = extension()
+    ext.set_mm_debug_variant(variant)
+    try:
+        yield ext
+    finally:
+        ext.set_mm_debug_variant(_DEFAULT_VARIANT)
 
 
 def kernels_available(device: torch.device | str | None = None) -> bool:
@@ -93,25 +110,26 @@ def _use_cuda(*tensors: torch.Tensor | None) -> bool:
     return kernels_enabled() and kernels_available()
 
 
+def _zeroed(cache: dict, device: torch.device, numel: int, least: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-device buffer of at least `numel` zeros, kept across calls: the kernels that use one
+    leave it zero again, so no memset is launched per call. Grown (never shrunk) when too small."""
+    buf = cache.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.zeros(max(numel, least), dtype=dtype, device=device)
+        cache[device] = buf
+    return buf
+
+
 def workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """fp32 scratch for the fused product's split-k partial sums. Always zero between calls (the
-    output kernel clears what it read), so no memset is launched per layer."""
-    ws = _workspaces.get(device)
-    if ws is None or ws.numel() < numel:
-        ws = torch.zeros(max(numel, 32 * 131072), dtype=torch.float32, device=device)
-        _workspaces[device] = ws
-    return ws
+    """fp32 scratch for the fused product's split-k partial sums (the output kernel clears what it
+    read)."""
+    return _zeroed(_workspaces, device, numel, 32 * 131072, torch.float32)
 
 
 def block_counters(device: torch.device, numel: int) -> torch.Tensor:
     """int32 per 128-column block: how much of the block the version-3 product has finished, so
-    the warp that completes a block can apply the output transform itself (no extra kernel).
-    Always zero between calls, like the workspace."""
-    c = _counters.get(device)
-    if c is None or c.numel() < numel:
-        c = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
-        _counters[device] = c
-    return c
+    the warp that completes a block can apply the output transform itself (no extra kernel)."""
+    return _zeroed(_counters, device, numel, 4096, torch.int32)
 
 
 _counters: dict = {}
@@ -120,7 +138,7 @@ _counters: dict = {}
 # ------------------------------------------------------------------------------------------
 # Attention
 
-_attn_scratch: dict = {}
+_attn_counters: dict = {}
 
 
 def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -151,16 +169,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     not take these tensors; the caller then runs SDPA (models/layers.attention)."""
     if not _decode_attention_serves(q, k, v, mask):
         return None
-    B, H, _, D = q.shape
-    kv_heads = k.shape[1]
-    blocks = B * kv_heads * -(-(H // kv_heads) // 4)
-    ws_need, cnt_need = blocks * 64 * 4 * (D + 2), blocks  # the kernel splits a row 64 ways at most
-    ws, counters = _attn_scratch.get(q.device, (None, None))
-    if ws is None or ws.numel() < ws_need or counters.numel() < cnt_need:
-        ws = torch.empty(max(ws_need, 1 << 18), dtype=torch.float32, device=q.device)
-        counters = torch.zeros(max(cnt_need, 1024), dtype=torch.int32, device=q.device)
-        _attn_scratch[q.device] = (ws, counters)
-    return extension().decode_attention(q, k, v, mask, float(scale), ws, counters)
+    # One completion counter per block row of the kernel (batch x kv head x group of up to 4
+    # query heads): B x H is always enough.
+    counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
+    return extension().decode_attention(q, k, v, mask, float(scale), counters)
 
 
 # ------------------------------------------------------------------------------------------

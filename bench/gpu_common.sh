@@ -1,0 +1,16 @@
+# The start every GPU-machine script shares (sourced by gpu_session.sh and gpu_tune.sh): the
+# environment, the log ($OUT/log.txt as $L, seconds since $t0), the kernel build, the GPU tests
+# (full output in $OUT/pytest_gpu.txt), and $SUM, a one-line-per-row summary of bench.linear's
+# JSON lines (other lines pass through).
+export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
+L=$OUT/log.txt
+t0=$(date +%s)
+timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
+echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 200 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
+SUM='import sys,json
+for l in sys.stdin:
+  try: r=json.loads(l)
+  except Exception: print(l.strip()); continue
+  if "us" in r: print(r["bench"],r.get("variant",""),r["path"],r["shape"],r["codebook"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r["reference_ratio_vs_fp16"],"GBps",r["trellis_GBps"],"check",r.get("check_rel_rms"))
+  else: print(l.strip())'
