@@ -15,6 +15,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-int8    cuda-graph with the MUL1 integer path at m = 1 (TRELLIS_INT8=auto)
   cuda-graph-fp16    cuda-graph with the fp16 path only (TRELLIS_INT8=0)
   cuda-graph-sdpa    cuda-graph with SDPA for decode attention instead of our kernel
+  cuda-graph-noprep  timing probe, wrong tokens: cuda-graph with the activation preps not launched,
+              what the preps cost a step as it runs (the bound on fusing them away)
+  cuda-graph-sepprep cuda-graph with a prep kernel before every product (the decode products
+              otherwise prep their own input; the previous version's way, for a same-run ratio)
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
@@ -104,7 +108,9 @@ def main(argv=None) -> int:
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
-                         "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention)")
+                         "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention), "
+                         "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep (a prep kernel before "
+                         "every product)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
+    self_prep_default = os.environ.get("TRELLIS_SELF_PREP", "1") != "0"
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
         if kind not in loaded:
@@ -139,6 +146,8 @@ def main(argv=None) -> int:
                 fuse_projections(model)
         if path != "torch":
             ops.extension().set_pdl(path != "cuda-graph-nopdl")
+            ops.extension().set_prep_skip(path == "cuda-graph-noprep")
+            ops.extension().set_self_prep(path not in ("cuda-graph-sepprep", "cuda-graph-noprep") and self_prep_default)
         for ctx in args.contexts:
             try:
                 tps = decode_graph(model, ctx, args.tokens) if graph else decode_eager(model, ctx, args.tokens)
@@ -188,7 +197,30 @@ def graph_breakdown(model, tokens: int = 8) -> dict:
     return {"bench": "decode_breakdown", "tokens": tokens, "kernels_per_token": round(len(kernels) / tokens, 1),
             "kernel_us_per_token": round(busy / tokens, 1), "wall_us_per_token": round(wall * 1e6 / tokens, 1),
             "top": [{"kernel": k, "us_per_token": round(us / tokens, 1), "per_token": round(n / tokens, 1)}
-                    for k, (us, n) in top]}
+                    for k, (us, n) in top],
+            "by_site": sites_of_layer(kernels, len(model.layers), tokens)}
+
+
+def sites_of_layer(kernels, layers: int, tokens: int) -> dict:
+    """Mean duration (us) of the preps and the products by their place in a decoder layer. Each
+    layer runs them in the same order (q/k/v, o, gate/up, down), so the i-th call of a token sits
+    at site i % (calls per layer); calls past layers * that (the head's) are left out."""
+    out = {}
+    for key, label in (("prep_frag", "prep"), ("exl3_gemv", "product")):
+        calls = sorted((e for e in kernels if key in e.name), key=lambda e: e.time_range.start)
+        per_token = len(calls) // tokens
+        per_layer = per_token // layers if layers else 0
+        if not per_layer:
+            continue
+        sums = [0.0] * per_layer
+        counts = [0] * per_layer
+        for i, e in enumerate(calls):
+            j = i % per_token
+            if j < per_layer * layers:
+                sums[j % per_layer] += e.time_range.elapsed_us()
+                counts[j % per_layer] += 1
+        out[label] = [round(s / max(1, n), 2) for s, n in zip(sums, counts)]
+    return out
 
 
 def profile_eager(model, path: str) -> None:

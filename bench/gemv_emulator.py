@@ -166,6 +166,19 @@ def mma_f16(d, A, B):
         g, cq = l >> 2, l & 3
         d[l][0] += D[g, 2*cq]; d[l][1] += D[g, 2*cq+1]; d[l][2] += D[g+8, 2*cq]; d[l][3] += D[g+8, 2*cq+1]
 
+def i8_tile_operand(K, tw):
+    """Each lane's 8 states of one tile times the MUL1 multiplier: its bytes are the u8 A operand."""
+    X = []
+    for l in range(32):
+        st = states_k4(tw, l) if K == 4 else states_generic(K, tw, l)
+        X.append([(st_ * 0x83DCD12D) & M32 for st_ in st])
+    return X
+
+def mma_i8_tile(d, X, b):
+    """The two m16n8k32 MMAs of one decoded tile against the lanes' B words b[lane] (4 each)."""
+    mma_u8s8(d, [[X[l][0], X[l][4], X[l][1], X[l][5]] for l in range(32)], [[b[l][0], b[l][1]] for l in range(32)])
+    mma_u8s8(d, [[X[l][2], X[l][6], X[l][3], X[l][7]] for l in range(32)], [[b[l][2], b[l][3]] for l in range(32)])
+
 LUT = {cb: codebook_lut(cb).float().numpy() for cb in ("mul1", "mcg", "3inst")}
 def decode_pair_f16(cb, s0, s1):
     v = np.array([LUT[cb][s0], LUT[cb][s1]], dtype=np.float16)
@@ -207,15 +220,9 @@ def emulate(K, cb, path, m, n_in, n_out, nwarps, seed=0):
                             o = ((c_row * ng + gr) * 32 + l) * 4
                             b[gr][l] = tuple(int(v) for v in xb[o:o+4])
                 for ct in range(CT):
-                    tw = words[base_tr + ct*TW: base_tr + (ct+1)*TW]
-                    X = []
-                    for l in range(32):
-                        st = states_k4(tw, l) if K == 4 else states_generic(K, tw, l)
-                        X.append([(st_ * 0x83DCD12D) & M32 for st_ in st])
+                    X = i8_tile_operand(K, words[base_tr + ct*TW: base_tr + (ct+1)*TW])
                     for gr in range(ng):
-                        d = iacc[gr, ct]
-                        mma_u8s8(d, [[X[l][0], X[l][4], X[l][1], X[l][5]] for l in range(32)], [[b[gr][l][0], b[gr][l][1]] for l in range(32)])
-                        mma_u8s8(d, [[X[l][2], X[l][6], X[l][3], X[l][7]] for l in range(32)], [[b[gr][l][2], b[gr][l][3]] for l in range(32)])
+                        mma_i8_tile(iacc[gr, ct], X, b[gr])
             else:
                 b = [[(0, 0)] * 32 for _ in range(ng)]
                 for gr in range(ng):
@@ -270,7 +277,92 @@ def emulate(K, cb, path, m, n_in, n_out, nwarps, seed=0):
     err = np.sqrt(((z - ref)**2).mean() / (ref**2).mean())
     return err
 
+def sp_slot(f, s1, s2, inv1, inv2):
+    """A self-prepping product's chunk slot (sp_store_chunk): 64 data words, the steps, k-row sums."""
+    data = np.zeros(64 * 4, np.uint8).reshape(64, 4)
+    rows = np.zeros(8)
+    for l in range(32):
+        krow, kk0 = l >> 2, (l & 3) * 4
+        cqa, h = (kk0 & 7) >> 1, kk0 >> 3
+        q = []
+        for j in range(4):
+            v = f[l*4 + j]
+            q1 = np.clip(np.rint(v*inv1), -127, 127); q2 = np.clip(np.rint((v - q1*s1)*inv2), -127, 127)
+            q.append((int(q1), int(q2)))
+        for p_ in range(2):
+            w = (p_*8 + krow)*4 + cqa
+            data[w, 2*h], data[w, 2*h+1] = q[0][p_] & 0xFF, q[1][p_] & 0xFF
+            data[w+1, 2*h], data[w+1, 2*h+1] = q[2][p_] & 0xFF, q[3][p_] & 0xFF
+        rows[krow] += s1*sum(a for a, _ in q) + s2*sum(b for _, b in q)
+    return data, rows
+
+def emulate_sp(K, n_in, n_out, nwarps, seed=0):
+    """The self-prepping decode product (m = 1, integer path, one k row per unit): each warp's
+    chunk walk, its slots' layout as the B operand, and every warp adding its own k rows' MUL1
+    constant part."""
+    rng = np.random.default_rng(seed)
+    tr = torch.from_numpy(rng.integers(-32768, 32768, (n_in//16, n_out//16, 16*K), dtype=np.int64).astype(np.int16))
+    wd = tr.numpy().reshape(-1).view(np.uint16).astype(np.uint32); words = wd[0::2] | (wd[1::2] << 16)
+    x = rng.standard_normal((1, n_in)).astype(np.float16)
+    suh = (rng.integers(0, 2, n_in) * 2 - 1).astype(np.float16)
+    xh, _, scales, _ = prep(x, suh, "i8", 1, 1)
+    CT = 8; tk, tn = n_in // 16, n_out // 16; TW = 8 * K; units = (tn // CT) * tk
+    z = np.zeros((1, n_out))
+    for gw in range(nwarps):
+        u0 = units * gw // nwarps; u1 = units * (gw + 1) // nwarps
+        if u0 >= u1: continue
+        slots = []  # the walk (SpWalk), one k row per unit
+        grp, row, left = u0 // tk, u0 % tk, u1 - u0
+        while left > 0:
+            c = row >> 3
+            f = xh[0, c*128:(c+1)*128].astype(np.float32)
+            s1, s2 = scales[0, c]
+            amax = np.abs(f).max()
+            inv1 = np.float32(127 / amax) if amax > 0 else 0; inv2 = np.float32(254 / s1) if amax > 0 else 0
+            slots.append(sp_slot(f, s1, s2, inv1, inv2) + ((s1, s2),))
+            rh = min((c + 1) * 8, tk) - row; left -= rh; row += rh
+            if row == tk: row = 0; grp += 1
+        c_grp, c_row, slot = u0 // tk, u0 % tk, 0
+        iacc = np.zeros((CT, 32, 4), np.int64); facc = np.zeros((CT, 32, 2)); cpart = 0.0
+        sc = np.array([slots[0][2] if (l & 3) == 0 else (0, 0) for l in range(32)])
+        for s in range(u1 - u0):
+            data, rows, _ = slots[slot]
+            krow = c_row & 7
+            b = []
+            for l in range(32):
+                w = data[((l >> 2)*8 + krow)*4 + (l & 3)] if l < 8 else np.zeros(4, np.uint8)
+                b.append(tuple(int(w[j]) * 0x01010101 for j in range(4)))
+            cpart += rows[krow]
+            base_tr = (c_row * tn + c_grp * CT) * TW
+            for ct in range(CT):
+                mma_i8_tile(iacc[ct], i8_tile_operand(K, words[base_tr + ct*TW: base_tr + (ct+1)*TW]), b)
+            last = s + 1 == u1 - u0
+            chunk_end = (c_row & 7) == 7 or c_row + 1 == tk or last
+            if chunk_end:
+                for ct in range(CT):
+                    facc[ct, :, 0] += sc[:, 0]*iacc[ct, :, 0] + sc[:, 1]*iacc[ct, :, 1]
+                    facc[ct, :, 1] += sc[:, 0]*iacc[ct, :, 2] + sc[:, 1]*iacc[ct, :, 3]
+                    iacc[ct] = 0
+            c_row += 1
+            if c_row == tk or last:
+                for ct in range(CT):
+                    for l in range(0, 32, 4):  # lanes with cq == 0 hold row 0
+                        col = (c_grp*CT + ct)*16 + (l >> 2)
+                        base = -3.453125 * cpart
+                        z[0, col] += 0.0067672729492188 * facc[ct, l, 0] + base
+                        z[0, col+8] += 0.0067672729492188 * facc[ct, l, 1] + base
+                if not last:
+                    facc[:] = 0; cpart = 0.0; c_row = 0; c_grp += 1
+            if chunk_end and not last:
+                slot += 1
+                sc = np.array([slots[slot][2] if (l & 3) == 0 else (0, 0) for l in range(32)])
+    W = reconstruct(tr, "mul1").float().numpy()
+    ref = xh.astype(np.float64) @ W.astype(np.float64)
+    return np.sqrt(((z - ref)**2).mean() / (ref**2).mean())
+
 if __name__ == "__main__":
+    for (K, n_in, nw) in [(4, 256, 5), (3, 384, 7), (4, 512, 3)]:
+        print("self prep", K, n_in, nw, "rel err", emulate_sp(K, n_in, 256, nw))
     check_tiles()
     for (K, cb, path, m, nw) in [(4, "mul1", "i8", 1, 5), (4, "mul1", "i8", 3, 7), (3, "mul1", "i8", 6, 3),
                                  (4, "mcg", "f16", 1, 5), (4, "3inst", "f16", 11, 3), (2, "mul1", "f16", 20, 4)]:

@@ -138,6 +138,23 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         a.bias = opt_hptr(bias);
         a.ldy = (int)out;
     }
+    for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
+    a.m = (int)chunk;
+    if (fused_out && use_i8 && m == 1 && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
+        a.self_prep = true;
+        a.x = hptr(x);
+        a.ldx = (int)x.stride(0);
+        if (up.has_value()) {
+            a.up = hptr(*up);
+            a.ldu = (int)up->stride(0);
+            a.act = (int)act;
+        }
+        a.norm = norm;
+        a.suh = hptr(suh);
+        a.y = hptr_mut(y);
+        CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
+        return y;
+    }
     torch::Tensor xh, xb, sq, scales, csum;
     if (use_i8) {
         scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
@@ -149,7 +166,6 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         // Fragment-ordered activations: I8 4 words per lane per group, F16 2 words.
         const int ng = trellis::gemv_groups(chunk, use_i8);
         xb = torch::empty({nseg, in / 16, ng, 32, use_i8 ? 4 : 2}, x.options().dtype(torch::kInt));
-        for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
         a.xb = reinterpret_cast<const uint32_t*>(xb.data_ptr());
     } else {
         xh = torch::empty({chunk, in}, x.options());
@@ -366,7 +382,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.out = hptr_mut(out), a.o_b = (long)(H * D), a.o_h = (long)D;
     a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
-    a.early_trigger = trellis::early_trigger_setting();
+    a.early_trigger = trellis::early_trigger_setting() == 1;
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
     return out;
 }
@@ -406,7 +422,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
-    m.def("set_early_trigger", &trellis::set_early_trigger, "let the kernel after a product or decode attention launch early (default off)");
+    m.def("set_early_trigger", &trellis::set_early_trigger, "let the kernel after a product or decode attention launch early: 0 off (default), 1 at their start, 2 (products) at their tail");
+    m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default on)");
+    m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");

@@ -27,6 +27,7 @@
 
 #include "exl3_decode.cuh"
 #include "exl3_mm.cuh"  // kMul1Inv, kMul1C0 (MUL1 value = kMul1Inv * byte sum + kMul1C0)
+#include "exl3_prep.cuh"
 #include "kernels.h"
 
 namespace trellis {
@@ -108,14 +109,58 @@ struct GvShape {
     static constexpr int stages() { return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>(); }
 };
 
-// Words of one k row in a stage (its tiles, then its activations); a stage holds KR of them.
-template <int K, int PATH, int NG, int CFG = 0>
+// Words of one k row in a stage (its tiles, then its activations unless the product preps its
+// own input, SP); a stage holds KR of them.
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
 __host__ __device__ constexpr int gv_row_words() {
-    return GvShape<PATH, NG, CFG>::CT * 8 * K + NG * 32 * GvShape<PATH, NG, CFG>::BW;
+    return GvShape<PATH, NG, CFG>::CT * 8 * K + (SP ? 0 : NG * 32 * GvShape<PATH, NG, CFG>::BW);
 }
-template <int K, int PATH, int NG, int CFG = 0>
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
 __host__ __device__ constexpr int gv_stage_words() {
-    return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG>();
+    return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG, SP>();
+}
+// Shared memory of a block: the warps' rings, then (SP) their chunk slots.
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
+__host__ __device__ constexpr int gv_smem_words() {
+    return kGvWarps * (GvShape<PATH, NG, CFG>::template stages<K>() * gv_stage_words<K, PATH, NG, CFG, SP>() +
+                       (SP ? kSpSlots * kSpSlotWords : 0));
+}
+
+// Self prep (SP, decode at m = 1 on the integer path): the warp's lane preps its 4 values of one
+// 128-chunk (x is already in `xv` order: prep_lane_xh) into the chunk slot at word `slot`:
+// data word ((pass * 8 + k row) * 4 + cq) holds the int8 values a B lane (pass, cq) needs for
+// that k row in its 4 byte slots (kk % 2 + 2 (kk / 8), the order of prep_frag's I8 layout, each
+// byte to be repeated 4 times by the reader); then the two steps and each k row's sum of the
+// dequantized values (the MUL1 constant part of that k row, added by the warp that takes it).
+__device__ __forceinline__ void sp_store_chunk(uint32_t* slot, half2 o0, half2 o1, int lane) {
+    const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
+    const Int8Chunk ch(f);
+    int q1[4], q2[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        uint32_t w1, w2;
+        ch.passes(f[q], w1, w2);
+        q1[q] = (int)(int8_t)(w1 & 0xffu);
+        q2[q] = (int)(int8_t)(w2 & 0xffu);
+    }
+    const int krow = lane >> 2, kk0 = (lane & 3) * 4;
+    const int cqa = (kk0 & 7) >> 1, h = kk0 >> 3;
+    uint16_t* s16 = reinterpret_cast<uint16_t*>(slot);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        const int* v = p ? q2 : q1;
+        const int w = (p * 8 + krow) * 4 + cqa;
+        s16[w * 2 + h] = (uint16_t)((v[0] & 0xff) | ((v[1] & 0xff) << 8));
+        s16[(w + 1) * 2 + h] = (uint16_t)((v[2] & 0xff) | ((v[3] & 0xff) << 8));
+    }
+    float rs = ch.s1 * (float)(q1[0] + q1[1] + q1[2] + q1[3]) + ch.s2 * (float)(q2[0] + q2[1] + q2[2] + q2[3]);
+    rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+    rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+    if (lane == 0) {
+        slot[64] = __float_as_uint(ch.s1);
+        slot[65] = __float_as_uint(ch.s2);
+    }
+    if ((lane & 3) == 0) slot[66 + krow] = __float_as_uint(rs);
 }
 
 // The output transform of one finished 128-column block (see finish_block in the kernel). Not
@@ -146,23 +191,25 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
 // VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
 // the same work, to time the memory layout).
-template <int K, int CB, int PATH, int NG, int VAR, int CFG>
+template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
-exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered activations
+exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
+                 const uint32_t* __restrict__ xb,       // fragment-ordered activations
                  const float2* __restrict__ scales,     // I8: [m, in/128] steps of the 2 passes
                  const float* __restrict__ csum,        // I8: [m, in/128] chunk sums of xh
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
                  int seg_c3, int early_trigger) {
+    static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
     constexpr int NS = S::template stages<K>();
-    constexpr int SW = gv_stage_words<K, PATH, NG, CFG>();
+    constexpr int SW = gv_stage_words<K, PATH, NG, CFG, SP>();
     constexpr int KR = S::KR;
-    constexpr int RW = gv_row_words<K, PATH, NG, CFG>();
+    constexpr int RW = gv_row_words<K, PATH, NG, CFG, SP>();
     constexpr int TW = 8 * K;  // words per tile
-    extern __shared__ uint32_t gv_smem[];
+    extern __shared__ __align__(16) uint32_t gv_smem[];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -175,7 +222,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     const long gw = (long)blockIdx.x * kGvWarps + warp;
     const long u0 = units * gw / nwarps;
     const long u1 = units * (gw + 1) / nwarps;
-    if (u0 >= u1) return;
+    if (!SP && u0 >= u1) return;  // SP: the block's norm statistics need every warp (a barrier)
     const int n_units = (int)(u1 - u0);
     const int ring = warp * NS * SW;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem + ring));
@@ -194,6 +241,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     constexpr int kBChunks = PATH == GV_I8 ? 0 : NG * 16;  // F16 fragments: NG x 256 bytes
     int p_grp = (int)(u0 / rows_kr);
     int p_row = (int)(u0 - (long)p_grp * rows_kr) * KR;
+    const int p_grp0 = p_grp, p_row0 = p_row;  // SP: where the warp's chunks start
     int p_slot = 0;
     const size_t row_step = (size_t)tn * TW;  // words from one k row of tiles to the next
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
@@ -224,7 +272,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                             gv_cp16(dst + c0 * 16, p_src + kr * src_row + c0 * 4);
                     }
                 }
-                if (acts) {
+                if (acts && !SP) {
                     const uint32_t* b = p_b + kr * kBRowWords;
                     if constexpr (PATH == GV_I8) {
                         // 16 bytes per lane per group, only for lanes whose B column is a real row.
@@ -250,8 +298,22 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                 p_b = xb + seg_of(p_grp) * seg_words + lane * (PATH == GV_I8 ? S::BW : 4);
             }
         }
-        if (acts) cp_async_commit();
+        if (acts || (SP && weights)) cp_async_commit();  // SP: each stage its own group
     };
+
+    // SP: the chunks the warp's units touch, in the order it takes them (at most kSpSlots: the
+    // host's gemv_self_prep makes sure). k(): this lane's first input index of the chunk.
+    struct SpWalk {
+        int grp, row, left;  // the chunk's column group and first k row; units from there on
+        __device__ __forceinline__ int k(int lane) const { return (row >> 3) * 128 + lane * 4; }
+        __device__ __forceinline__ SpWalk next(int tk) const {
+            const int rows_here = min(((row >> 3) + 1) * 8, tk) - row;
+            SpWalk w{grp, row + rows_here, left - rows_here / KR};
+            if (w.row == tk) w.row = 0, ++w.grp;
+            return w;
+        }
+    };
+    const SpWalk sp_first{p_grp0, p_row0, u1 > u0 ? n_units : 0};
 
     // Prologue. Launched with programmatic dependent launch, this kernel runs while the prep
     // kernel that writes xb (and the I8 scales) may still be running: the trellis, a weight, is
@@ -266,11 +328,52 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         // reads anything) may launch now. The grid is all resident by now (one wave), so its
         // blocks take only what this grid leaves free. Off by default: the product after that
         // glue then also starts early and its trellis prefetch competes with this one for DRAM.
-        if (early_trigger) pdl_launch_dependents();
+        if (early_trigger == 1) pdl_launch_dependents();
+        if constexpr (SP) {  // the prep's weights into L2 while the previous kernel runs
+            SpWalk w = sp_first;
+            for (int j = 0; j < kSpSlots && w.left > 0; ++j, w = w.next(tk)) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(suh + (size_t)seg_of(w.grp) * in + w.k(lane)));
+                if (pin.norm_w) asm volatile("prefetch.global.L2 [%0];" ::"l"(pin.norm_w + w.k(lane)));
+            }
+        }
         pdl_wait_primary();
-        p_grp = grp0, p_row = row0, p_slot = 0, p_src = src0, p_b = b0;
+        if constexpr (!SP) {
+            p_grp = grp0, p_row = row0, p_slot = 0, p_src = src0, p_b = b0;
 #pragma unroll
-        for (int s = 0; s < NS - 1; ++s) issue(s, false, true);
+            for (int s = 0; s < NS - 1; ++s) issue(s, false, true);
+        }
+    }
+
+    // Self prep: each warp preps the 128-chunks its units touch, in the order it takes them,
+    // into its own slots (sp_store_chunk), so no prep kernel, no activation round trip through
+    // global memory and no kernel boundary sit between the previous product and this one. The
+    // norm's row statistics are the block's (one read of the row per block).
+    const int sp_base = kGvWarps * NS * SW + warp * kSpSlots * kSpSlotWords;
+    if constexpr (SP) {
+        const float inv = pin.norm_w ? block_row_inv(pin, 0, 0, 0, in) : 0.f;
+        if (pin.res && blockIdx.x == 0) {  // the residual stream x + residual, once
+            for (int k = threadIdx.x * 4; k < in; k += kGvWarps * 128)
+                *reinterpret_cast<uint2*>(pin.res_out + k) = norm_input(pin, 0, k);
+        }
+        if (u0 >= u1) return;
+        // One chunk's loads in flight while the previous one is transformed.
+        SpWalk w = sp_first;
+        LaneRaw raw(pin, 0, w.k(lane));
+        PrepWeights wt(pin, suh + (size_t)seg_of(w.grp) * in, w.k(lane));
+        for (int j = 0; j < kSpSlots && w.left > 0; ++j) {
+            const SpWalk nw = w.next(tk);
+            LaneRaw raw_n;
+            PrepWeights wt_n;
+            if (j + 1 < kSpSlots && nw.left > 0) {
+                raw_n = LaneRaw(pin, 0, nw.k(lane));
+                wt_n = PrepWeights(pin, suh + (size_t)seg_of(nw.grp) * in, nw.k(lane));
+            }
+            half2 o0, o1;
+            lane_xh(lane_input(pin, raw, inv, wt.norm_w), wt.suh, lane, o0, o1);
+            sp_store_chunk(gv_smem + sp_base + j * kSpSlotWords, o0, o1, lane);
+            w = nw, raw = raw_n, wt = wt_n;
+        }
+        __syncwarp();
     }
 
     int wa, shift;
@@ -289,6 +392,8 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     int seg_units = 0;               // k rows of the current column group done by this warp
     const int nch = in >> 7;
 
+    int c_slot_sp = 0;  // SP: the chunk slot of the current k row
+    float cpart = 0.f;  // SP: sum of the dequantized input over this warp's k rows of the group
     // I8 accumulators: integer per 128-chunk, folded into fp32.
     int iacc[NG][CT][4];
     float facc[NG][CT][2];
@@ -298,6 +403,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     float acc[NG][CT][4];
 
     auto zero_acc = [&]() {
+        cpart = 0.f;
 #pragma unroll
         for (int gr = 0; gr < NG; ++gr) {
             cadd[gr] = 0.f;
@@ -312,7 +418,11 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         }
     };
     auto load_scales = [&]() {
-        if constexpr (PATH == GV_I8) {
+        if constexpr (SP) {
+            const uint32_t* slot = gv_smem + sp_base + c_slot_sp * kSpSlotWords;
+            cur_sc[0] = cq == 0 ? make_float2(__uint_as_float(slot[64]), __uint_as_float(slot[65]))
+                                : make_float2(0.f, 0.f);
+        } else if constexpr (PATH == GV_I8) {
             const int ch = c_row >> 3;
 #pragma unroll
             for (int gr = 0; gr < NG; ++gr) {
@@ -336,9 +446,10 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
     };
     // Add this warp's partial sums for column group c_grp to z.
     auto flush = [&]() {
-        if constexpr (PATH == GV_I8) {
+        if constexpr (PATH == GV_I8 && !SP) {
             // The constant part of MUL1 (kMul1C0 per weight) adds kMul1C0 * sum(xh row) to every
             // output column; exactly one warp per column group (the one holding k row 0) adds it.
+            // (SP: every warp adds its own k rows' part, cpart.)
             // The row sums over all nch chunks are taken by the whole warp (a strided share per
             // lane, then a butterfly), one memory round trip instead of nch / 4 dependent ones
             // on the warp that holds k row 0 (SASS: the serial loop sat on the kernel's tail).
@@ -367,7 +478,7 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                     // D: c0/c1 = (out col g, row cq pass 1/2), c2/c3 = the same for col g+8.
                     const int row = gr * 4 + cq;
                     if (row < m) {
-                        const float base = seg_has_row0 ? kMul1C0 * cadd[gr] : 0.f;
+                        const float base = SP ? kMul1C0 * cpart : seg_has_row0 ? kMul1C0 * cadd[gr] : 0.f;
                         atomicAdd(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
                         atomicAdd(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
                     }
@@ -420,10 +531,19 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
 
             if constexpr (PATH == GV_I8) {
                 uint4 b[NG];
+                if constexpr (SP) {
+                    const uint32_t* slot = gv_smem + sp_base + c_slot_sp * kSpSlotWords;
+                    const int krow = (c_row + kr) & 7;
+                    const uint32_t w = lane < 8 ? slot[((lane >> 2) * 8 + krow) * 4 + (lane & 3)] : 0u;
+                    b[0] = make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111),
+                                      __byte_perm(w, 0u, 0x2222), __byte_perm(w, 0u, 0x3333));
+                    cpart += __uint_as_float(slot[66 + krow]);
+                } else {
 #pragma unroll
-                for (int gr = 0; gr < NG; ++gr) {
-                    const int ba = base + CT * TW + (gr * 32 + lane) * 4;
-                    b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
+                    for (int gr = 0; gr < NG; ++gr) {
+                        const int ba = base + CT * TW + (gr * 32 + lane) * 4;
+                        b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
+                    }
                 }
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
@@ -485,6 +605,9 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
         if (chunk_end) fold();
         seg_units += KR;
         if ((c_row += KR) == tk || last) {
+            // Mode 2: the next kernel may launch once every warp is past its stream (its blocks
+            // then take what the finished ones leave, and prefetch during this tail).
+            if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
             if (y) {
                 const int k = ((c_grp * CT) >> 3) * 128 + lane * 4;
@@ -502,33 +625,43 @@ exl3_gemv_kernel(const uint32_t* __restrict__ xb,       // fragment-ordered acti
                 seg_units = 0;
             }
         }
-        if (chunk_end && !last) load_scales();
+        if (chunk_end && !last) {
+            if constexpr (SP) ++c_slot_sp;
+            load_scales();
+        }
     }
     cp_async_wait<0>();
 }
 
 // Host side: grid = resident warps (MINB blocks of 8 warps per SM), capped so that every warp has
-// at least gemv_min_units() units (8 unless a benchmark sets it).
-template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0>
+// at least gemv_min_units() units (gv_blocks).
+template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0, bool SP = false>
 cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     using S = GvShape<PATH, NG, CFG>;
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16 / S::KR);
-    long blocks = (long)S::MINB * (a.num_sms > 0 ? a.num_sms : 132);
-    const long by_units = (units / gemv_min_units() + kGvWarps - 1) / kGvWarps;
-    if (by_units < blocks) blocks = by_units > 0 ? by_units : 1;
-    const size_t smem = (size_t)kGvWarps * S::template stages<K>() * gv_stage_words<K, PATH, NG, CFG>() * 4;
-    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG>;
+    const long blocks = gv_blocks(units, S::MINB, a.num_sms);
+    const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
+    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
-    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, a.xb, a.scales,
-                      a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
-                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], (int)a.early_trigger);
+    const PrepInput pin{a.x, a.ldx, a.up, a.ldu, a.act, a.norm.w, a.norm.residual, a.norm.residual_out, a.norm.eps};
+    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
+                      a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
+                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger);
 }
 
 // Debug variants: 1-3 the timing probes (one-group shapes), 10 + CFG an occupancy configuration
 // (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
+    if constexpr (PATH == GV_I8 && NG == 1) {  // the host chose self prep (gemv_self_prep)
+        if (a.self_prep) {
+            if constexpr (K <= 6) {
+                if (gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9, true>(a, stream);
+            }
+            return launch_gemv_var<K, CB, PATH, NG, 0, 0, true>(a, stream);
+        }
+    }
     if constexpr (NG == 1) {
         if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
         if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
@@ -553,20 +686,18 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     }
     // Large layers take two k rows per unit (CFG 9): per-unit work is paid half as often (ncu,
     // 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59). Small ones keep one, so
-    // that they still have enough units to spread over every SM. K > 5 would not fit two blocks
-    // of its stages per SM.
-    if constexpr (NG == 1 && K <= 5) {
-        constexpr int kUnitsPerWarp = 8;
-        const long pairs = (long)(a.out / 128) * (a.in / 32);
-        const long resident_warps = 2L * kGvWarps * (a.num_sms > 0 ? a.num_sms : 132);
-        if (variant != 10 && pairs >= kUnitsPerWarp * resident_warps) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
+    // that they still have enough units to spread over every SM. K = 6 (session 6: the 6-bit
+    // head of the synthetic models) fits two blocks of 96 KB per SM; K = 8 would not.
+    if constexpr (NG == 1 && K <= 6) {
+        if (variant != 10 && gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
     }
     return launch_gemv_var<K, CB, PATH, NG, 0>(a, stream);
 }
-// One K: a.scales != null selects the MUL1 integer path (m <= 8), else the fp16 path (m <= 32).
+// One K: a.scales != null or self prep selects the MUL1 integer path (m <= 8), else the fp16 path
+// (m <= 32).
 template <int K>
 cudaError_t launch_gemv_k(const MmArgs& a, int variant, cudaStream_t stream) {
-    if (a.scales) {
+    if (a.scales || a.self_prep) {
         if (a.m <= 4) return launch_gemv_ng<K, CB_MUL1, GV_I8, 1>(a, variant, stream);
         return launch_gemv_ng<K, CB_MUL1, GV_I8, 2>(a, variant, stream);
     }

@@ -6,6 +6,7 @@
 
 #include "exl3_decode.cuh"
 #include "exl3_mm.cuh"
+#include "exl3_prep.cuh"
 #include "kernels.h"
 
 namespace trellis {
@@ -33,7 +34,9 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
     if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;
     if (a.version == 3) {
-        if (!a.xb || (a.scales && (a.m > 8 || a.codebook != CB_MUL1))) return cudaErrorInvalidValue;
+        if (a.self_prep ? (a.m != 1 || a.codebook != CB_MUL1 || !a.x || !a.suh)
+                        : (!a.xb || (a.scales && (a.m > 8 || a.codebook != CB_MUL1))))
+            return cudaErrorInvalidValue;
         const int v = mm_debug_variant();
         switch (a.K) {
             case 1: return exl3_gv_k1(a, v, stream);
@@ -61,137 +64,7 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activation prep: one warp per (row, 128-chunk). Both layouts (version 2 row-major, version 3
-// MMA fragment order) share the transform and the int8 steps below.
-
-// act(g) * u for one element, rounded like gated_act_kernel (act in fp32, one fp16 rounding,
-// then an fp16 product), so the fused and the separate paths feed the product the same bits.
-__device__ __forceinline__ half gated_value(half gh, half u, int act) {
-    const float g = __half2float(gh);
-    float a;
-    if (act == 0) {
-        a = g / (1.f + __expf(-g));
-    } else if (act == 1) {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
-    } else {
-        a = 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
-    }
-    return __hmul(__float2half_rn(a), u);
-}
-
-// A product's input as the prep kernels read it: x itself, or act(x) * up where a gated MLP's
-// down projection takes its activation straight from the gate/up outputs (one launch fewer).
-// Or rms_norm(x (+ residual)) * norm_w, the input of q/k/v and gate/up: each warp takes its
-// row's statistics itself (the row is a few KB, read from L2), so the norm needs no launch of
-// its own; segment 0 writes x + residual, the residual stream, to res_out.
-struct PrepInput {
-    const half* x;
-    int ldx;
-    const half* up;  // nullptr: plain input
-    int ldu;
-    int act;
-    const half* norm_w = nullptr;  // nullptr: no norm
-    const half* res = nullptr;     // row-major [rows, in] like x, optional
-    half* res_out = nullptr;       // required with res
-    float eps = 0.f;
-};
-
-// x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
-__device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
-    uint2 v = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
-    if (in.res) {
-        const uint2 rv = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
-        v.x = as_u32(__hadd2(as_h2(v.x), as_h2(rv.x)));
-        v.y = as_u32(__hadd2(as_h2(v.y), as_h2(rv.y)));
-    }
-    return v;
-}
-
-// This lane's 4 normed values k..k+3 of row r (all 32 lanes of the warp take part).
-__device__ __forceinline__ uint2 normed_lane(const PrepInput& in, int r, int k, int lane, int n,
-                                             bool write_sum, uint2 w) {
-    float ss = 0.f;
-    uint2 own = make_uint2(0u, 0u);
-    // Unrolled so that several loads (of x and of the residual) are in flight per lane.
-#pragma unroll 8
-    for (int c = lane * 4; c < n; c += 128) {
-        const uint2 v = norm_input(in, r, c);
-        const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
-        ss += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
-        if (c == k) own = v;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = rsqrtf(ss / n + in.eps);
-    if (write_sum && in.res) *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = own;
-    const float2 a = __half22float2(as_h2(own.x)), b = __half22float2(as_h2(own.y));
-    return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
-                      as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
-}
-
-// The weights a prep lane needs (its 4 input signs and norm weights). Read before
-// pdl_wait_primary: no kernel writes them, so their DRAM latency overlaps the previous kernel's
-// tail instead of adding to the chain after it.
-struct PrepWeights {
-    uint2 suh, norm_w;
-
-    __device__ __forceinline__ PrepWeights(const PrepInput& in, const half* __restrict__ suh_row, int k) {
-        suh = __ldg(reinterpret_cast<const uint2*>(suh_row + k));
-        norm_w = in.norm_w ? __ldg(reinterpret_cast<const uint2*>(in.norm_w + k)) : make_uint2(0u, 0u);
-    }
-};
-
-// This lane's 4 values k..k+3 of xh = fp16(had128(fp16(x * suh)) / sqrt(128)), row r; n is the
-// row length (the norm's statistics run over it) and write_sum selects the warps that store
-// x + residual.
-__device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeights& wt, int r, int k,
-                                             int lane, half2& o0, half2& o1, int n = 0,
-                                             bool write_sum = false) {
-    uint2 xv = in.norm_w ? normed_lane(in, r, k, lane, n, write_sum, wt.norm_w)
-                         : *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
-    if (in.up) {
-        const uint2 uv = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
-        const half2 g0 = as_h2(xv.x), g1 = as_h2(xv.y), u0 = as_h2(uv.x), u1 = as_h2(uv.y);
-        xv.x = as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), in.act),
-                                     gated_value(__high2half(g0), __high2half(u0), in.act)));
-        xv.y = as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), in.act),
-                                     gated_value(__high2half(g1), __high2half(u1), in.act)));
-    }
-    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(wt.suh.x));
-    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(wt.suh.y));
-    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
-    wht128_lane4(v, lane);
-    o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
-    o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
-}
-
-// The MUL1 integer path's two int8 passes of one 128-chunk: q1 at step s1 = absmax / 127, q2 the
-// residual at s2 = s1 / 254 (about 15 bits together); `sum` is the chunk's sum of xh.
-struct Int8Chunk {
-    float s1, s2, inv1, inv2, sum;
-
-    __device__ __forceinline__ Int8Chunk(const float f[4]) {
-        float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
-        sum = f[0] + f[1] + f[2] + f[3];
-#pragma unroll
-        for (int s = 16; s > 0; s >>= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-            sum += __shfl_xor_sync(0xffffffffu, sum, s);
-        }
-        s1 = amax / 127.f;
-        s2 = s1 / 254.f;
-        inv1 = amax > 0.f ? 127.f / amax : 0.f;
-        inv2 = amax > 0.f ? 254.f / s1 : 0.f;
-    }
-    // The two passes of one value, each repeated in the 4 bytes of a word.
-    __device__ __forceinline__ void passes(float f, uint32_t& w1, uint32_t& w2) const {
-        const float q1 = fminf(fmaxf(rintf(f * inv1), -127.f), 127.f);
-        const float q2 = fminf(fmaxf(rintf((f - q1 * s1) * inv2), -127.f), 127.f);
-        w1 = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
-        w2 = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
-    }
-};
+// Activation prep kernels (the math is in exl3_prep.cuh).
 
 __global__ void prep_x_kernel(const half* __restrict__ x, int ldx, const half* __restrict__ suh,
                               half* __restrict__ xh, uint32_t* __restrict__ sq, int ldsq,
@@ -254,14 +127,18 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
         }
     }
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (task >= rows * nch) return;
-    const int r = task / nch;
+    const bool active = task < rows * nch;  // idle warps still join the block's row statistics
+    const int r = active ? task / nch : rows - 1;
     const int c = task - r * nch;
-    const int k = c * 128 + lane * 4;
+    const int k = active ? c * 128 + lane * 4 : lane * 4;
     const PrepWeights wt(x, suh, k);
     pdl_wait_primary();  // from here on: inputs the previous kernel writes, outputs it may read
+    const float inv = x.norm_w ? block_row_inv(x, r, blockIdx.x * 8 / nch,
+                                               min(rows * nch - 1, blockIdx.x * 8 + 7) / nch, in)
+                               : 0.f;
+    if (!active) return;
     half2 o0, o1;
-    prep_lane_xh(x, wt, r, k, lane, o0, o1, in, blockIdx.y == 0);
+    prep_lane_xh(x, wt, r, k, lane, o0, o1, inv, blockIdx.y == 0);
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -298,6 +175,7 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
                       const half* up, int ldu, int act, const PrepNorm& norm) {
     if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
     if (norm.w && (up || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
+    if (prep_skip_flag()) return cudaSuccess;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps};
@@ -307,8 +185,23 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
 void set_pdl(bool enabled) { pdl_flag() = enabled; }
 bool pdl_setting() { return pdl_flag(); }
-void set_early_trigger(bool enabled) { early_trigger_flag() = enabled; }
-bool early_trigger_setting() { return early_trigger_flag(); }
+void set_early_trigger(int mode) { early_trigger_flag() = mode >= 0 && mode <= 2 ? mode : 0; }
+int early_trigger_setting() { return early_trigger_flag(); }
+void set_prep_skip(bool enabled) { prep_skip_flag() = enabled; }
+void set_self_prep(bool enabled) { self_prep_flag() = enabled; }
+
+bool gemv_self_prep(const MmArgs& a) {
+    if (!self_prep_flag() || mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.codebook != CB_MUL1 ||
+        a.in % 128 || a.out % 128)
+        return false;
+    // The warp with the most units: its k rows (possibly across one column group's end) touch at
+    // most (rows - 1) / 8 + 2 chunks (chunks and groups both start at multiples of 8 rows).
+    const int kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
+    const long units = (long)(a.out / 128) * (a.in / 16 / kr);
+    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
+    const long rows = (units + warps - 1) / warps * kr;
+    return (rows - 1) / 8 + 2 <= kSpSlots;
+}
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 
 // ---------------------------------------------------------------------------------------------

@@ -111,10 +111,44 @@ inline int& gemv_min_units() {
     return v;
 }
 
-inline bool& early_trigger_flag() {
+inline int& early_trigger_flag() {
+    static int v = 0;
+    return v;
+}
+
+// Timing probe: prep_frag launches nothing (the products read whatever activations are there),
+// to measure what the preps cost a decode step as it runs (bench.decode cuda-graph-noprep).
+inline bool& prep_skip_flag() {
     static bool v = false;
     return v;
 }
+
+inline bool& self_prep_flag() {
+    static bool v = true;
+    return v;
+}
+
+// Version-3 grid: resident warps (minb blocks of 8 warps per SM), capped so that every warp has
+// at least gemv_min_units() units (8 unless a benchmark sets it).
+inline long gv_blocks(long units, int minb, int num_sms) {
+    const long blocks = (long)minb * (num_sms > 0 ? num_sms : 132);
+    const long by_units = (units / gemv_min_units() + 7) / 8;
+    return by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
+}
+
+// Whether a version-3 product with one group of B columns takes two k rows per unit (large
+// layers, K <= 6; see launch_gemv_ng).
+inline bool gv_two_rows(int in, int out, int K, int num_sms) {
+    constexpr long kUnitsPerWarp = 8;
+    const long pairs = (long)(out / 128) * (in / 32);
+    const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
+    return K <= 6 && pairs >= kUnitsPerWarp * resident_warps;
+}
+
+// Chunk slots of a self-prepping product's warp (exl3_gemv.cuh): the 128-chunks its k rows
+// touch, each 256 bytes of int8 passes plus its steps and k-row sums.
+constexpr int kSpSlots = 10;
+constexpr int kSpSlotWords = 76;  // 64 data + 2 steps + 8 k-row sums + 2 pad
 
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without the
 // attribute). The primary lets its dependent start; the dependent waits for the primary's

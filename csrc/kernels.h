@@ -11,6 +11,14 @@ namespace trellis {
 // Rows of x handled by one pass of the fused product; larger m loops over row chunks.
 constexpr int kMaxFusedRows = 32;
 
+// A normed product input, rms_norm(x (+ residual)) * w over the whole row (see prep_frag).
+struct PrepNorm {
+    const half* w = nullptr;
+    const half* residual = nullptr;
+    half* residual_out = nullptr;
+    float eps = 0.f;
+};
+
 // Inputs of the fused product for one chunk of m <= kMaxFusedRows rows.
 struct MmArgs {
     const half* xh = nullptr;       // fp16 path: had128(x * suh), [m, in], row stride ldxh
@@ -38,11 +46,22 @@ struct MmArgs {
     // Version 3 under pdl: let the kernel after this one launch as soon as this grid is resident
     // (its launch and weight reads overlap the product); off (the default, see set_early_trigger):
     // it launches when the product ends.
-    bool early_trigger = false;
+    int early_trigger = 0;  // 0 off, 1 at the start, 2 when each warp leaves its main loop
     // Version 3, grouped product: the trellis is several linears concatenated along the columns;
     // segment s + 1 starts at column seg_cols[s] (unused entries stay past any column) and has
     // its own activations in xb (and, on the I8 path, its own scales and chunk sums).
     int seg_cols[3] = {0x7fffffff, 0x7fffffff, 0x7fffffff};
+    // Version 3, MUL1 integer path, m = 1 (see gemv_self_prep): the product preps its own input
+    // from x (with up / norm as prep_frag takes them) and suh ([segments, in]); xb, scales and
+    // csum are then unused and no prep kernel runs before it.
+    bool self_prep = false;
+    const half* x = nullptr;
+    int ldx = 0;
+    const half* up = nullptr;
+    int ldu = 0;
+    int act = 0;
+    PrepNorm norm;
+    const half* suh = nullptr;
 };
 
 // xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
@@ -60,12 +79,6 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // gated_act rounds it: a gated MLP's down projection without the separate activation launch.
 // norm.w != nullptr: the input is rms_norm(x (+ norm.residual)) * norm.w over the whole row of
 // `in` values (x and residual row-major with stride ldx); x + residual goes to norm.residual_out.
-struct PrepNorm {
-    const half* w = nullptr;
-    const half* residual = nullptr;
-    half* residual_out = nullptr;
-    float eps = 0.f;
-};
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
                       const half* up = nullptr, int ldu = 0, int act = 0,
@@ -101,8 +114,19 @@ void set_gemv_min_units(int units);
 // (griddepcontrol.launch_dependents at their start). Off by default: measured on the H200 it cost
 // 1-4% of decode speed (the next product's trellis prefetch then competes with the running
 // kernel for DRAM; csrc/PERF_NOTES.md, session 5). Benchmarks turn it on (TRELLIS_EARLY_TRIGGER=1).
-void set_early_trigger(bool enabled);
-bool early_trigger_setting();
+// Mode 2 (products only): a warp triggers when it leaves its main loop, so the next kernel
+// launches during the product's tail (atomics, output stage), not while it streams.
+void set_early_trigger(int mode);
+int early_trigger_setting();
+// Timing probe (wrong results): prep_frag launches nothing. Benchmarks only.
+void set_prep_skip(bool enabled);
+// Whether a decode product (m = 1, MUL1 integer path) preps its own input instead of a prep
+// kernel running before it (default on; benchmarks turn it off for a same-run baseline).
+void set_self_prep(bool enabled);
+// Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:
+// the setting is on, no debug variant is set, m = 1 on the integer path, and every warp's k rows
+// fit its chunk slots.
+bool gemv_self_prep(const MmArgs& a);
 
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
@@ -156,7 +180,7 @@ struct DecodeAttnArgs {
     int* counters = nullptr;
     int B = 0, Hkv = 0, G = 0, S = 0, D = 0, n_split = 1;
     float scale = 1.f;
-    bool early_trigger = false;  // see set_early_trigger
+    bool early_trigger = false;  // see set_early_trigger (mode 1)
 };
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
 int decode_attention_counters(int batch, int kv_heads, int groups);

@@ -113,7 +113,7 @@ def test_occupancy_configurations_match_reference(variant):
         assert float(w.abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (4, "3inst"), (3, "mcg")])
+@pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])
 def test_two_row_units_of_large_layers_match_reference(K, cb):
     """Layers large enough for two k rows per unit (4096x28672: 28,672 row pairs of 128 columns
     against 8 per resident warp) give the reference's product on both arithmetic paths, and the

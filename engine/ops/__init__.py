@@ -70,7 +70,11 @@ def extension():
         _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
         # Whether the kernel after a product or decode attention may launch while it runs (off by
         # default: it measured slower, csrc/PERF_NOTES.md; TRELLIS_EARLY_TRIGGER=1 turns it on).
-        _ext.set_early_trigger(os.environ.get("TRELLIS_EARLY_TRIGGER", "0") == "1")
+        # TRELLIS_EARLY_TRIGGER=2: products trigger at their tail instead.
+        _ext.set_early_trigger(int(os.environ.get("TRELLIS_EARLY_TRIGGER", "0") or 0))
+        # Decode products (m = 1, MUL1 integer path) prep their own input, no prep kernel before
+        # them (TRELLIS_SELF_PREP=0 restores the prep kernel, a same-run baseline).
+        _ext.set_self_prep(os.environ.get("TRELLIS_SELF_PREP", "1") != "0")
         if _DEFAULT_VARIANT:
             _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
     return _ext

@@ -1,0 +1,200 @@
+// Activation prep math shared by the prep kernels (exl3_misc.cu) and the product that preps its
+// own input (exl3_gemv.cuh, decode at m = 1): the product's input (plain, gated, or normed with the
+// residual add), the input signs, the 128-point Hadamard and the MUL1 integer path's int8 steps.
+#pragma once
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "exl3_decode.cuh"
+#include "exl3_mm.cuh"
+
+namespace trellis {
+
+// The prep kernels run one warp per (row, 128-chunk); both of their layouts (version 2 row-major,
+// version 3 MMA fragment order) and the self-prepping product share the transform below.
+
+// act(g) * u for one element, rounded like gated_act_kernel (act in fp32, one fp16 rounding,
+// then an fp16 product), so the fused and the separate paths feed the product the same bits.
+__device__ __forceinline__ half gated_value(half gh, half u, int act) {
+    const float g = __half2float(gh);
+    float a;
+    if (act == 0) {
+        a = g / (1.f + __expf(-g));
+    } else if (act == 1) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        a = 0.5f * g * (1.f + tanhf(k0 * (g + k1 * g * g * g)));
+    } else {
+        a = 0.5f * g * (1.f + erff(g * 0.7071067811865476f));
+    }
+    return __hmul(__float2half_rn(a), u);
+}
+
+// A product's input as the prep kernels read it: x itself, or act(x) * up where a gated MLP's
+// down projection takes its activation straight from the gate/up outputs (one launch fewer).
+// Or rms_norm(x (+ residual)) * norm_w, the input of q/k/v and gate/up: each warp takes its
+// row's statistics itself (the row is a few KB, read from L2), so the norm needs no launch of
+// its own; segment 0 writes x + residual, the residual stream, to res_out.
+struct PrepInput {
+    const half* x;
+    int ldx;
+    const half* up;  // nullptr: plain input
+    int ldu;
+    int act;
+    const half* norm_w = nullptr;  // nullptr: no norm
+    const half* res = nullptr;     // row-major [rows, in] like x, optional
+    half* res_out = nullptr;       // required with res
+    float eps = 0.f;
+};
+
+// x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
+__device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
+    uint2 v = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
+    if (in.res) {
+        const uint2 rv = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
+        v.x = as_u32(__hadd2(as_h2(v.x), as_h2(rv.x)));
+        v.y = as_u32(__hadd2(as_h2(v.y), as_h2(rv.y)));
+    }
+    return v;
+}
+
+// 1 / rms of row r, for a block of 8 warps whose threads all call this (a barrier) and whose
+// warps need rows r_first..r_last (r_last - r_first < 8). The block reads each row once, 4 values
+// per thread, and reduces through shared memory. Session 5 measured ~5 us per prep while each
+// warp read its whole row itself (8 warps x 16 KB from L2 on one SM, in four dependent batches);
+// this is one batch of 16 KB per block.
+__device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r_first, int r_last, int n) {
+    constexpr int kWarps = 8;  // prep and product blocks are 256 threads
+    __shared__ float part[kWarps][kWarps];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float ss[kWarps];
+#pragma unroll
+    for (int lr = 0; lr < kWarps; ++lr) {
+        ss[lr] = 0.f;
+        if (r_first + lr <= r_last) {
+#pragma unroll 4
+            for (int c = threadIdx.x * 4; c < n; c += kWarps * 128) {
+                const uint2 v = norm_input(in, r_first + lr, c);
+                const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
+                ss[lr] += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+            }
+        }
+    }
+#pragma unroll
+    for (int lr = 0; lr < kWarps; ++lr) {
+        if (r_first + lr <= r_last) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
+            if (lane == 0) part[warp][lr] = ss[lr];
+        }
+    }
+    __syncthreads();
+    const int lr = min(max(r - r_first, 0), kWarps - 1);
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) t += part[w][lr];
+    return rsqrtf(t / n + in.eps);
+}
+
+// The weights a prep lane needs (its 4 input signs and norm weights). Read before
+// pdl_wait_primary: no kernel writes them, so their DRAM latency overlaps the previous kernel's
+// tail instead of adding to the chain after it.
+struct PrepWeights {
+    uint2 suh, norm_w;
+
+    PrepWeights() = default;
+    __device__ __forceinline__ PrepWeights(const PrepInput& in, const half* __restrict__ suh_row, int k) {
+        suh = __ldg(reinterpret_cast<const uint2*>(suh_row + k));
+        norm_w = in.norm_w ? __ldg(reinterpret_cast<const uint2*>(in.norm_w + k)) : make_uint2(0u, 0u);
+    }
+};
+
+// A lane's 4 raw input values k..k+3 of row r: x, and the residual (normed input) or up (gated
+// input) beside it. Loaded apart from the math so that a loop over chunks can load the next
+// chunk's values while it transforms this one's.
+struct LaneRaw {
+    uint2 x, aux;
+
+    LaneRaw() = default;
+    __device__ __forceinline__ LaneRaw(const PrepInput& in, int r, int k) {
+        x = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
+        aux = make_uint2(0u, 0u);
+        if (in.norm_w && in.res) aux = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
+        if (in.up) aux = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
+    }
+    // x + residual where the norm has one (the residual stream), else x.
+    __device__ __forceinline__ uint2 sum(const PrepInput& in) const {
+        if (!(in.norm_w && in.res)) return x;
+        return make_uint2(as_u32(__hadd2(as_h2(x.x), as_h2(aux.x))), as_u32(__hadd2(as_h2(x.y), as_h2(aux.y))));
+    }
+};
+
+// The product's input from a lane's raw values: rms_norm(x (+ residual)) * w given the row's
+// 1 / rms, act(gate) * up, or x.
+__device__ __forceinline__ uint2 lane_input(const PrepInput& in, const LaneRaw& raw, float inv, uint2 w) {
+    if (in.norm_w) {
+        const uint2 own = raw.sum(in);
+        const float2 a = __half22float2(as_h2(own.x)), b = __half22float2(as_h2(own.y));
+        return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
+                          as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
+    }
+    if (in.up) {
+        const half2 g0 = as_h2(raw.x.x), g1 = as_h2(raw.x.y), u0 = as_h2(raw.aux.x), u1 = as_h2(raw.aux.y);
+        return make_uint2(as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), in.act),
+                                                gated_value(__high2half(g0), __high2half(u0), in.act))),
+                          as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), in.act),
+                                                gated_value(__high2half(g1), __high2half(u1), in.act))));
+    }
+    return raw.x;
+}
+
+// xh = fp16(had128(fp16(x * suh)) / sqrt(128)) of a lane's 4 input values (all 32 lanes of the
+// warp take part).
+__device__ __forceinline__ void lane_xh(uint2 xv, uint2 suh, int lane, half2& o0, half2& o1) {
+    const half2 p0 = __hmul2(as_h2(xv.x), as_h2(suh.x));
+    const half2 p1 = __hmul2(as_h2(xv.y), as_h2(suh.y));
+    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+    wht128_lane4(v, lane);
+    o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+    o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+}
+
+// This lane's 4 values k..k+3 of xh for row r; inv is the row's 1 / rms where the norm is on
+// (block_row_inv) and write_sum selects the warps that store x + residual.
+__device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeights& wt, int r, int k,
+                                             int lane, half2& o0, half2& o1, float inv = 0.f,
+                                             bool write_sum = false) {
+    const LaneRaw raw(in, r, k);
+    if (write_sum && in.norm_w && in.res)
+        *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = raw.sum(in);
+    lane_xh(lane_input(in, raw, inv, wt.norm_w), wt.suh, lane, o0, o1);
+}
+
+// The MUL1 integer path's two int8 passes of one 128-chunk: q1 at step s1 = absmax / 127, q2 the
+// residual at s2 = s1 / 254 (about 15 bits together); `sum` is the chunk's sum of xh.
+struct Int8Chunk {
+    float s1, s2, inv1, inv2, sum;
+
+    __device__ __forceinline__ Int8Chunk(const float f[4]) {
+        float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+        sum = f[0] + f[1] + f[2] + f[3];
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+            sum += __shfl_xor_sync(0xffffffffu, sum, s);
+        }
+        s1 = amax / 127.f;
+        s2 = s1 / 254.f;
+        inv1 = amax > 0.f ? 127.f / amax : 0.f;
+        inv2 = amax > 0.f ? 254.f / s1 : 0.f;
+    }
+    // The two passes of one value, each repeated in the 4 bytes of a word.
+    __device__ __forceinline__ void passes(float f, uint32_t& w1, uint32_t& w2) const {
+        const float q1 = fminf(fmaxf(rintf(f * inv1), -127.f), 127.f);
+        const float q2 = fminf(fmaxf(rintf((f - q1 * s1) * inv2), -127.f), 127.f);
+        w1 = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
+        w2 = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
+    }
+};
+
+}  // namespace trellis
