@@ -17,8 +17,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-sdpa    cuda-graph with SDPA for decode attention instead of our kernel
   cuda-graph-noprep  timing probe, wrong tokens: cuda-graph with the activation preps not launched,
               what the preps cost a step as it runs (the bound on fusing them away)
-  cuda-graph-sepprep cuda-graph with a prep kernel before every product (the decode products
-              otherwise prep their own input; the previous version's way, for a same-run ratio)
+  cuda-graph-sepprep / cuda-graph-selfprep  cuda-graph with a prep kernel before every product /
+              with the decode products prepping their own input (TRELLIS_SELF_PREP picks the
+              default)
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
                          "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention), "
-                         "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep (a prep kernel before "
-                         "every product)")
+                         "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
+                         "kernel before every product / decode products prep their own input)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
-    self_prep_default = os.environ.get("TRELLIS_SELF_PREP", "1") != "0"
+    self_prep_default = ops.SELF_PREP
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
         if kind not in loaded:
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
         if path != "torch":
             ops.extension().set_pdl(path != "cuda-graph-nopdl")
             ops.extension().set_prep_skip(path == "cuda-graph-noprep")
-            ops.extension().set_self_prep(path not in ("cuda-graph-sepprep", "cuda-graph-noprep") and self_prep_default)
+            ops.extension().set_self_prep(
+                {"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}.get(path, self_prep_default))
         for ctx in args.contexts:
             try:
                 tps = decode_graph(model, ctx, args.tokens) if graph else decode_eager(model, ctx, args.tokens)

@@ -112,7 +112,7 @@ inline int& gemv_min_units() {
 }
 
 inline int& early_trigger_flag() {
-    static int v = 0;
+    static int v = 2;
     return v;
 }
 
@@ -124,7 +124,7 @@ inline bool& prep_skip_flag() {
 }
 
 inline bool& self_prep_flag() {
-    static bool v = true;
+    static bool v = false;
     return v;
 }
 

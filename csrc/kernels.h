@@ -110,12 +110,12 @@ void set_pdl(bool enabled);
 bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
-// Whether products and decode attention let the kernel after them launch while they run
-// (griddepcontrol.launch_dependents at their start). Off by default: measured on the H200 it cost
-// 1-4% of decode speed (the next product's trellis prefetch then competes with the running
-// kernel for DRAM; csrc/PERF_NOTES.md, session 5). Benchmarks turn it on (TRELLIS_EARLY_TRIGGER=1).
-// Mode 2 (products only): a warp triggers when it leaves its main loop, so the next kernel
-// launches during the product's tail (atomics, output stage), not while it streams.
+// When products and decode attention let the kernel after them launch (PDL). Mode 1, at their
+// start: measured on the H200 it cost 1-4% of decode speed (the next product's trellis prefetch
+// then competes with the running one for DRAM; csrc/PERF_NOTES.md, session 5). Mode 2 (products
+// only, the default): a warp triggers when it leaves its main loop, so the next kernel launches
+// during the product's tail (atomics, output stage), not while it streams; +3-8% decode
+// (session 6). Mode 0: when they end.
 void set_early_trigger(int mode);
 int early_trigger_setting();
 // Timing probe (wrong results): prep_frag launches nothing. Benchmarks only.

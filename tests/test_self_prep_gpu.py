@@ -46,7 +46,7 @@ def prep_kernels(*, skipped: bool = False, self_prep: bool = True):
         yield
     finally:
         ext.set_prep_skip(False)
-        ext.set_self_prep(True)
+        ext.set_self_prep(ops.SELF_PREP)
 
 
 # one k row per unit (small), two (4096x28672 at K <= 5), K past the two-row limit, odd widths

@@ -39,6 +39,8 @@ ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "
 # The fused product's configuration for K = 4 (TRELLIS_GV_VARIANT = 10 + CFG of csrc/exl3_gemv.cuh,
 # a benchmark knob); anything below 10 means the shipped one.
 _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
+# Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
+SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 if _DEFAULT_VARIANT < 10:
     _DEFAULT_VARIANT = 0
 
@@ -68,13 +70,14 @@ def extension():
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
         _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
-        # Whether the kernel after a product or decode attention may launch while it runs (off by
-        # default: it measured slower, csrc/PERF_NOTES.md; TRELLIS_EARLY_TRIGGER=1 turns it on).
-        # TRELLIS_EARLY_TRIGGER=2: products trigger at their tail instead.
-        _ext.set_early_trigger(int(os.environ.get("TRELLIS_EARLY_TRIGGER", "0") or 0))
-        # Decode products (m = 1, MUL1 integer path) prep their own input, no prep kernel before
-        # them (TRELLIS_SELF_PREP=0 restores the prep kernel, a same-run baseline).
-        _ext.set_self_prep(os.environ.get("TRELLIS_SELF_PREP", "1") != "0")
+        # When the kernel after a product may launch: 2 (default) once each of its warps leaves
+        # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
+        # product's (and decode attention's) start, measured slower; 0 when it ends
+        # (csrc/PERF_NOTES.md, sessions 5 and 6).
+        _ext.set_early_trigger(int(os.environ.get("TRELLIS_EARLY_TRIGGER", "2") or 0))
+        # Whether decode products (m = 1, MUL1 integer path) prep their own input instead of a
+        # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
+        _ext.set_self_prep(SELF_PREP)
         if _DEFAULT_VARIANT:
             _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
     return _ext
