@@ -324,10 +324,11 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         const uint32_t *src0 = p_src, *b0 = p_b;
 #pragma unroll
         for (int s = 0; s < NS - 1; ++s) issue(s, true, false);
-        // With early_trigger the kernel after this one (glue that waits for this grid before it
+        // Trigger mode 1: the kernel after this one (glue that waits for this grid before it
         // reads anything) may launch now. The grid is all resident by now (one wave), so its
-        // blocks take only what this grid leaves free. Off by default: the product after that
-        // glue then also starts early and its trellis prefetch competes with this one for DRAM.
+        // blocks take only what this grid leaves free. Not the default: the product after that
+        // glue then also starts early and its trellis prefetch competes with this one for DRAM
+        // (mode 2, at the tail, is the default; see the main loop).
         if (early_trigger == 1) pdl_launch_dependents();
         if constexpr (SP) {  // the prep's weights into L2 while the previous kernel runs
             SpWalk w = sp_first;
