@@ -137,12 +137,7 @@ __device__ __forceinline__ void sp_store_chunk(uint32_t* slot, half2 o0, half2 o
     const Int8Chunk ch(f);
     int q1[4], q2[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        uint32_t w1, w2;
-        ch.passes(f[q], w1, w2);
-        q1[q] = (int)(int8_t)(w1 & 0xffu);
-        q2[q] = (int)(int8_t)(w2 & 0xffu);
-    }
+    for (int q = 0; q < 4; ++q) ch.levels(f[q], q1[q], q2[q]);
     const int krow = lane >> 2, kk0 = (lane & 3) * 4;
     const int cqa = (kk0 & 7) >> 1, h = kk0 >> 3;
     uint16_t* s16 = reinterpret_cast<uint16_t*>(slot);
@@ -157,10 +152,10 @@ __device__ __forceinline__ void sp_store_chunk(uint32_t* slot, half2 o0, half2 o
     rs += __shfl_xor_sync(0xffffffffu, rs, 1);
     rs += __shfl_xor_sync(0xffffffffu, rs, 2);
     if (lane == 0) {
-        slot[64] = __float_as_uint(ch.s1);
-        slot[65] = __float_as_uint(ch.s2);
+        slot[kSpStepWord] = __float_as_uint(ch.s1);
+        slot[kSpStepWord + 1] = __float_as_uint(ch.s2);
     }
-    if ((lane & 3) == 0) slot[66 + krow] = __float_as_uint(rs);
+    if ((lane & 3) == 0) slot[kSpRowSumWord + krow] = __float_as_uint(rs);
 }
 
 // The output transform of one finished 128-column block (see finish_block in the kernel). Not
@@ -424,7 +419,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     auto load_scales = [&]() {
         if constexpr (SP) {
             const uint32_t* slot = gv_smem + sp_base + c_slot_sp * kSpSlotWords;
-            cur_sc[0] = cq == 0 ? make_float2(__uint_as_float(slot[64]), __uint_as_float(slot[65]))
+            cur_sc[0] = cq == 0 ? make_float2(__uint_as_float(slot[kSpStepWord]), __uint_as_float(slot[kSpStepWord + 1]))
                                 : make_float2(0.f, 0.f);
         } else if constexpr (PATH == GV_I8) {
             const int ch = c_row >> 3;
@@ -541,7 +536,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     const uint32_t w = lane < 8 ? slot[((lane >> 2) * 8 + krow) * 4 + (lane & 3)] : 0u;
                     b[0] = make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111),
                                       __byte_perm(w, 0u, 0x2222), __byte_perm(w, 0u, 0x3333));
-                    cpart += __uint_as_float(slot[66 + krow]);
+                    cpart += __uint_as_float(slot[kSpRowSumWord + krow]);
                 } else {
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
@@ -648,10 +643,22 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
-    const PrepInput pin{a.x, a.ldx, a.up, a.ldu, a.act, a.norm.w, a.norm.residual, a.norm.residual_out, a.norm.eps};
+    const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                       a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
                       a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger);
+}
+
+// The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is
+// paid half as often (ncu, 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59).
+// Small ones keep one (CFG 0), so that they still have enough units to spread over every SM.
+// one_row: debug variant 10, one k row everywhere.
+template <int K, int CB, int PATH, int NG, bool SP>
+cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
+    if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
+        if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9, SP>(a, stream);
+    }
+    return launch_gemv_var<K, CB, PATH, NG, 0, 0, SP>(a, stream);
 }
 
 // Debug variants: 1-3 the timing probes (one-group shapes), 10 + CFG an occupancy configuration
@@ -659,12 +666,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if constexpr (PATH == GV_I8 && NG == 1) {  // the host chose self prep (gemv_self_prep)
-        if (a.self_prep) {
-            if constexpr (K <= 6) {
-                if (gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9, true>(a, stream);
-            }
-            return launch_gemv_var<K, CB, PATH, NG, 0, 0, true>(a, stream);
-        }
+        if (a.self_prep) return launch_gemv_shipped<K, CB, PATH, NG, true>(a, false, stream);
     }
     if constexpr (NG == 1) {
         if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
@@ -688,14 +690,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
         }
     }
-    // Large layers take two k rows per unit (CFG 9): per-unit work is paid half as often (ncu,
-    // 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59). Small ones keep one, so
-    // that they still have enough units to spread over every SM. K = 6 (session 6: the 6-bit
-    // head of the synthetic models) fits two blocks of 96 KB per SM; K = 8 would not.
-    if constexpr (NG == 1 && K <= 6) {
-        if (variant != 10 && gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
-    }
-    return launch_gemv_var<K, CB, PATH, NG, 0>(a, stream);
+    return launch_gemv_shipped<K, CB, PATH, NG, false>(a, variant == 10, stream);
 }
 // One K: a.scales != null or self prep selects the MUL1 integer path (m <= 8), else the fp16 path
 // (m <= 32).

@@ -178,7 +178,7 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     if (prep_skip_flag()) return cudaSuccess;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
-    const PrepInput pin{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps};
+    const PrepInput pin = prep_input(x, ldx, up, ldu, act, norm);
     return launch_glue(prep_frag_kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
 }
 

@@ -136,19 +136,24 @@ inline long gv_blocks(long units, int minb, int num_sms) {
     return by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
 }
 
+// Largest K whose two-k-row configuration (CFG 9) fits two blocks per SM (K = 6: 96 KB each).
+constexpr int kGvTwoRowMaxK = 6;
+
 // Whether a version-3 product with one group of B columns takes two k rows per unit (large
-// layers, K <= 6; see launch_gemv_ng).
+// layers, K <= kGvTwoRowMaxK; see launch_gemv_shipped).
 inline bool gv_two_rows(int in, int out, int K, int num_sms) {
     constexpr long kUnitsPerWarp = 8;
     const long pairs = (long)(out / 128) * (in / 32);
     const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
-    return K <= 6 && pairs >= kUnitsPerWarp * resident_warps;
+    return K <= kGvTwoRowMaxK && pairs >= kUnitsPerWarp * resident_warps;
 }
 
 // Chunk slots of a self-prepping product's warp (exl3_gemv.cuh): the 128-chunks its k rows
 // touch, each 256 bytes of int8 passes plus its steps and k-row sums.
 constexpr int kSpSlots = 10;
-constexpr int kSpSlotWords = 76;  // 64 data + 2 steps + 8 k-row sums + 2 pad
+constexpr int kSpStepWord = 64;     // the two steps (s1, s2) follow the 64 data words
+constexpr int kSpRowSumWord = 66;   // then the 8 k rows' sums
+constexpr int kSpSlotWords = 76;    // + 2 pad
 
 // Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched without the
 // attribute). The primary lets its dependent start; the dependent waits for the primary's

@@ -47,6 +47,11 @@ struct PrepInput {
     float eps = 0.f;
 };
 
+// A product's prep input from the launcher's pieces (prep_frag's arguments, MmArgs' self-prep fields).
+inline PrepInput prep_input(const half* x, int ldx, const half* up, int ldu, int act, const PrepNorm& norm) {
+    return PrepInput{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps};
+}
+
 // x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
 __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
     uint2 v = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
@@ -188,12 +193,19 @@ struct Int8Chunk {
         inv1 = amax > 0.f ? 127.f / amax : 0.f;
         inv2 = amax > 0.f ? 254.f / s1 : 0.f;
     }
+    // The two passes' levels of one value, each in -127..127.
+    __device__ __forceinline__ void levels(float f, int& q1, int& q2) const {
+        const float l1 = fminf(fmaxf(rintf(f * inv1), -127.f), 127.f);
+        const float l2 = fminf(fmaxf(rintf((f - l1 * s1) * inv2), -127.f), 127.f);
+        q1 = (int)l1;
+        q2 = (int)l2;
+    }
     // The two passes of one value, each repeated in the 4 bytes of a word.
     __device__ __forceinline__ void passes(float f, uint32_t& w1, uint32_t& w2) const {
-        const float q1 = fminf(fmaxf(rintf(f * inv1), -127.f), 127.f);
-        const float q2 = fminf(fmaxf(rintf((f - q1 * s1) * inv2), -127.f), 127.f);
-        w1 = ((uint32_t)(int)q1 & 0xffu) * 0x01010101u;
-        w2 = ((uint32_t)(int)q2 & 0xffu) * 0x01010101u;
+        int q1, q2;
+        levels(f, q1, q2);
+        w1 = ((uint32_t)q1 & 0xffu) * 0x01010101u;
+        w2 = ((uint32_t)q2 & 0xffu) * 0x01010101u;
     }
 };
 

@@ -43,10 +43,9 @@ struct MmArgs {
     // Version 3: launch with programmatic dependent launch (sm_90+), so the product's blocks start
     // and fetch trellis while the prep kernel before it still runs.
     bool pdl = false;
-    // Version 3 under pdl: let the kernel after this one launch as soon as this grid is resident
-    // (its launch and weight reads overlap the product); off (the default, see set_early_trigger):
-    // it launches when the product ends.
-    int early_trigger = 0;  // 0 off, 1 at the start, 2 when each warp leaves its main loop
+    // Version 3 under pdl: when the kernel after this one may launch (see set_early_trigger):
+    // 0 when the product ends, 1 at its start, 2 when each warp leaves its main loop.
+    int early_trigger = 0;
     // Version 3, grouped product: the trellis is several linears concatenated along the columns;
     // segment s + 1 starts at column seg_cols[s] (unused entries stay past any column) and has
     // its own activations in xb (and, on the I8 path, its own scales and chunk sums).
@@ -114,14 +113,14 @@ void set_gemv_min_units(int units);
 // start: measured on the H200 it cost 1-4% of decode speed (the next product's trellis prefetch
 // then competes with the running one for DRAM; csrc/PERF_NOTES.md, session 5). Mode 2 (products
 // only, the default): a warp triggers when it leaves its main loop, so the next kernel launches
-// during the product's tail (atomics, output stage), not while it streams; +3-8% decode
+// during the product's tail (atomics, output stage), not while it streams; +2-3% decode
 // (session 6). Mode 0: when they end.
 void set_early_trigger(int mode);
 int early_trigger_setting();
 // Timing probe (wrong results): prep_frag launches nothing. Benchmarks only.
 void set_prep_skip(bool enabled);
 // Whether a decode product (m = 1, MUL1 integer path) preps its own input instead of a prep
-// kernel running before it (default on; benchmarks turn it off for a same-run baseline).
+// kernel running before it (default off: measured slower, csrc/PERF_NOTES.md, session 6).
 void set_self_prep(bool enabled);
 // Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:
 // the setting is on, no debug variant is set, m = 1 on the integer path, and every warp's k rows

@@ -39,10 +39,11 @@ ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "
 # The fused product's configuration for K = 4 (TRELLIS_GV_VARIANT = 10 + CFG of csrc/exl3_gemv.cuh,
 # a benchmark knob); anything below 10 means the shipped one.
 _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
-# Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
-SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 if _DEFAULT_VARIANT < 10:
     _DEFAULT_VARIANT = 0
+
+# Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
+SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
 _ext = None
 _ext_error: Exception | None = None
