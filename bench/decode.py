@@ -19,7 +19,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               what the preps cost a step as it runs (the bound on fusing them away)
   cuda-graph-sepprep / cuda-graph-selfprep  cuda-graph with a prep kernel before every product /
               with the decode products prepping their own input (TRELLIS_SELF_PREP picks the
-              default)
+              default); both without decode chains, as is -noprep
+  cuda-graph-chain / cuda-graph-nochain  cuda-graph with / without decode chains
+              (engine/ops/chain.py: each product's output stage writes the next one's input, no
+              prep kernels between them; TRELLIS_CHAIN picks the default, off)
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 Prints one JSON line per (path, context).
 """
@@ -111,7 +114,9 @@ def main(argv=None) -> int:
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
                          "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
-                         "kernel before every product / decode products prep their own input)")
+                         "kernel before every product / decode products prep their own input), cuda-graph-chain / "
+                         "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
+                         "before every product)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
-    self_prep_default = ops.SELF_PREP
+    self_prep_default, chain_default = ops.SELF_PREP, ops.CHAIN
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
         if kind not in loaded:
@@ -138,6 +143,8 @@ def main(argv=None) -> int:
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
         ops.INT8_MAX_ROWS = {"cuda-graph-int8": 1, "cuda-graph-fp16": 0}.get(path, int8_default)
         ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
+        ops.CHAIN = path == "cuda-graph-chain" or (chain_default and path not in (
+            "cuda-graph-nochain", "cuda-graph-noprep", "cuda-graph-sepprep", "cuda-graph-selfprep"))
         if kind == "cuda":
             from engine.models.layers import fuse_projections, split_projections
 

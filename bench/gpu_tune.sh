@@ -2,7 +2,7 @@
 # One GPU-machine call for a kernel change: build, the GPU tests, the product per layer with the
 # shipped configuration and the one-row-per-unit one (debug variant 10), graph-replay timing of
 # small layers next to the previous version (.devcarry/prev, see gpu_session.sh), whole-model
-# decode with the attention kernel and with SDPA, self prep and without preps (a probe), each
+# decode with the attention kernel and with SDPA, self prep, decode chains and without preps (a probe), each
 # with the trigger at the products' tail (default) and at their start, the previous version's
 # decode, a kernel breakdown and ncu of the int8 product. QUICK=1 leaves out the K sweep, graph
 # timing, prefill, the breakdown and ncu (a validation call on little device time). VARS adds
@@ -19,8 +19,8 @@ echo "== graph-replay timing, this version then the previous one $(( $(date +%s)
 GR="--timing graph --shapes 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5"
 [ -n "$QUICK" ] || timeout 60 python3 -m bench.linear $GR 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph now /" | tee -a $L
 if [ -z "$QUICK" ] && [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 100 python3 -m bench.linear $GR 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph prev /" | tee -a $L); fi
-echo "== decode: attention kernel / SDPA, prep kernels / self prep / none (probe), trigger at the tail (default) / start $(( $(date +%s)-t0 ))s" | tee -a $L
-DEC="python3 -m bench.decode --paths cuda-graph cuda-graph-sdpa cuda-graph-selfprep cuda-graph-noprep cuda-graph --contexts 0 4096 --tokens 128"
+echo "== decode: attention kernel / SDPA, prep kernels / self prep / chains / none (probe), trigger at the tail (default) / start $(( $(date +%s)-t0 ))s" | tee -a $L
+DEC="python3 -m bench.decode --paths cuda-graph cuda-graph-sdpa cuda-graph-selfprep cuda-graph-chain cuda-graph-noprep cuda-graph --contexts 0 4096 --tokens 128"
 timeout 180 $DEC 2>&1 | grep tokens_per_s | cut -c1-160 | sed "s/^/trigger-tail /" | tee -a $L
 TRELLIS_EARLY_TRIGGER=1 timeout 180 $DEC 2>&1 | grep tokens_per_s | cut -c1-160 | sed "s/^/trigger-start /" | tee -a $L
 for V in $VARS; do [ "$V" = 0 ] || TRELLIS_GV_VARIANT=$V timeout 90 python3 -m bench.decode --paths cuda-graph --contexts 0 --tokens 128 2>&1 | grep tokens_per_s | cut -c1-160 | sed "s/^/variant=$V /" | tee -a $L; done

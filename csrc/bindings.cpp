@@ -49,11 +49,87 @@ trellis::PrepNorm chunk_norm(trellis::PrepNorm n, int64_t offset) {
     return n;
 }
 
+void check_f32(const torch::Tensor& t, int64_t n, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n,
+                name, " must be a contiguous fp32 CUDA tensor of ", n, " elements");
+}
+
+// The int8 input of a decode product (m = 1, one fragment group) that another kernel writes:
+// xb [nseg, in/16, 1, 32, 4] int32, scales [nseg, 1, in/128, 2] and csum [nseg, 1, in/128] fp32.
+void check_prepared(const torch::Tensor& xb, const torch::Tensor& scales, const torch::Tensor& csum, int64_t nseg,
+                    int64_t in) {
+    TORCH_CHECK(xb.is_cuda() && xb.scalar_type() == torch::kInt && xb.is_contiguous() &&
+                    xb.numel() == nseg * (in / 16) * 32 * 4,
+                "prepared xb must be a contiguous int32 CUDA tensor [segments, in/16, 1, 32, 4]");
+    check_f32(scales, nseg * (in / 128) * 2, "prepared scales");
+    check_f32(csum, nseg * (in / 128), "prepared csum");
+}
+
+// The decode chain's output (trellis::ChainOut) from its tensors. mode 1: [xb, scales, csum,
+// suh, part, norm_w] and optionally [res, res_out]; mode 2: [xb, scales, csum, suh, pairs]. n is
+// the next product's in: this product's out (mode 1) or half of it (mode 2).
+trellis::ChainOut chain_out(std::vector<torch::Tensor>& t, int64_t mode, int64_t act, int64_t out,
+                            const std::vector<int64_t>& seg_cols) {
+    trellis::ChainOut c;
+    TORCH_CHECK(mode == 1 || mode == 2, "chain mode must be 1 (normed) or 2 (gated)");
+    TORCH_CHECK(mode == 1 ? (t.size() == 6 || t.size() == 8) : t.size() == 5,
+                "chain: mode 1 takes [xb, scales, csum, suh, part, norm_w (, res, res_out)], mode 2 "
+                "[xb, scales, csum, suh, pairs]");
+    const int64_t n = mode == 1 ? out : out / 2;
+    TORCH_CHECK(mode == 1 || (seg_cols.size() == 1 && seg_cols[0] == n),
+                "a gated chain needs a gate/up product of two equal halves");
+    TORCH_CHECK(t[3].is_cuda() && t[3].scalar_type() == torch::kHalf && t[3].is_contiguous() &&
+                    t[3].numel() % n == 0 && t[3].numel() / n >= 1 && t[3].numel() / n <= 4,
+                "chain suh must be the next product's input signs [segments, n]");
+    c.mode = (int)mode;
+    c.n = (int)n;
+    c.nseg = (int)(t[3].numel() / n);
+    check_prepared(t[0], t[1], t[2], c.nseg, n);
+    c.xb = reinterpret_cast<uint32_t*>(t[0].data_ptr());
+    c.scales = reinterpret_cast<float2*>(t[1].data_ptr());
+    c.csum = t[2].data_ptr<float>();
+    c.suh = hptr(t[3]);
+    if (mode == 1) {
+        check_f32(t[4], n / 128, "chain part");
+        check_half_vec(t[5], n, "chain norm weight");
+        c.part = t[4].data_ptr<float>();
+        c.norm_w = hptr(t[5]);
+        if (t.size() == 8) {
+            check_half_vec(t[6], n, "chain residual");
+            check_half_vec(t[7], n, "chain residual_out");
+            c.res = hptr(t[6]);
+            c.res_out = hptr_mut(t[7]);
+        }
+    } else {
+        TORCH_CHECK(t[4].is_cuda() && t[4].scalar_type() == torch::kInt && t[4].is_contiguous() &&
+                        t[4].numel() >= n / 128,
+                    "chain pairs must be a zeroed int32 CUDA tensor of at least n/128 entries");
+        TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (SiLU), 1 (GELU tanh) or 2 (GELU erf)");
+        c.pairs = t[4].data_ptr<int>();
+        c.act = (int)act;
+    }
+    return c;
+}
+
+bool chain_fits(int64_t in, int64_t out, int64_t K) {
+    trellis::MmArgs a;
+    a.m = 1;
+    a.in = (int)in;
+    a.out = (int)out;
+    a.K = (int)K;
+    a.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    return trellis::gemv_chain_fits(a);
+}
+
 // y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
 // entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
 // seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
 // concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
 // [linears, in] and svh, bias, y span all of them.
+// Decode chains (m = 1, version 3 with counters; csrc/kernels.h ChainOut): `prepared` = [xb,
+// scales, csum] (and [part] when they lack the norm's 1 / rms, applied with eps) is this product's
+// int8 input, written by the previous product's output stage, so no prep runs; x then only gives
+// m. `chain` (with chain_mode, chain_act) makes this product's output stage write the next one's.
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
                         torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,
@@ -61,7 +137,8 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                         std::vector<int64_t> seg_cols, c10::optional<torch::Tensor> up,
                         int64_t act, c10::optional<torch::Tensor> norm_w, double eps,
                         c10::optional<torch::Tensor> residual,
-                        c10::optional<torch::Tensor> residual_out) {
+                        c10::optional<torch::Tensor> residual_out, std::vector<torch::Tensor> prepared,
+                        std::vector<torch::Tensor> chain, int64_t chain_mode, int64_t chain_act) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
@@ -140,7 +217,31 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     }
     for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
     a.m = (int)chunk;
-    if (fused_out && use_i8 && m == 1 && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
+    if (!chain.empty() || !prepared.empty()) {
+        TORCH_CHECK(fused_out && m == 1 && use_i8,
+                    "decode chains take one row on the version-3 MUL1 integer-path product with counters");
+        if (!chain.empty()) {
+            a.next = chain_out(chain, chain_mode, chain_act, out, seg_cols);
+            TORCH_CHECK(trellis::gemv_chain_fits(a), "this product's shape (or a debug variant) cannot write a chain output");
+        }
+    }
+    if (!prepared.empty()) {
+        TORCH_CHECK(use_i8 && !up.has_value() && !norm_w.has_value() && (prepared.size() == 3 || prepared.size() == 4),
+                    "a prepared input is [xb, scales, csum (, part)] of a MUL1 integer-path product, without up or norm");
+        check_prepared(prepared[0], prepared[1], prepared[2], nseg, in);
+        a.xb = reinterpret_cast<const uint32_t*>(prepared[0].data_ptr());
+        a.scales = reinterpret_cast<const float2*>(prepared[1].data_ptr());
+        a.csum = prepared[2].data_ptr<float>();
+        if (prepared.size() == 4) {
+            check_f32(prepared[3], in / 128, "prepared part");
+            a.in_part = prepared[3].data_ptr<float>();
+            a.in_eps = (float)eps;
+        }
+        a.y = hptr_mut(y);
+        CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
+        return y;
+    }
+    if (fused_out && use_i8 && m == 1 && !a.next.mode && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
         a.self_prep = true;
         a.x = hptr(x);
         a.ldx = (int)x.stride(0);
@@ -339,8 +440,11 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 // One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
 // strides), mask additive fp16 [1 or B, S] or none; counters (int32, zero, left zero) are the
 // caller's persistent scratch. Returns out [B, H, 1, D].
+// next (decode chain into o_proj, B = 1, D = 128): [xb, scales, csum, suh] of o_proj's input
+// (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor counters) {
+                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor counters,
+                               std::vector<torch::Tensor> next) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -383,6 +487,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
     a.early_trigger = trellis::early_trigger_setting() == 1;
+    if (!next.empty()) {
+        TORCH_CHECK(next.size() == 4 && B == 1 && D == 128,
+                    "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128");
+        check_prepared(next[0], next[1], next[2], 1, H * D);
+        check_half_vec(next[3], H * D, "decode_attention: o_proj suh");
+        a.next_xb = reinterpret_cast<uint32_t*>(next[0].data_ptr());
+        a.next_scales = reinterpret_cast<float2*>(next[1].data_ptr());
+        a.next_csum = next[2].data_ptr<float>();
+        a.next_suh = hptr(next[3]);
+    }
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
     return out;
 }
@@ -419,6 +533,7 @@ torch::Tensor viterbi_encode(torch::Tensor targets, int64_t K, torch::Tensor lut
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches");
+    m.def("chain_fits", &chain_fits, "whether a one-row product of this shape can write a decode chain output");
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "exl3_mm.cuh"  // pdl helpers, launch_pdl, fence_acq_rel_gpu
+#include "exl3_prep.cuh"  // lane_xh, store_i8_chunk (the chain into o_proj)
 #include "kernels.h"
 
 namespace trellis {
@@ -120,6 +121,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
     const half* vp = a.v + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* mrow = a.mask ? a.mask + (size_t)b * a.mask_b : nullptr;
 
+    // Chain into o_proj: the input signs of the head this warp merges (warps 0..3), a weight, so
+    // read before the wait.
+    uint2 next_s = make_uint2(0u, 0u);
+    if (DL == 4 && a.next_xb && warp < ng)
+        next_s = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + lane * DL));
     pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
     float q[kAttnHeads][DL];
 #pragma unroll
@@ -249,6 +255,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
 #pragma unroll
         for (int i = 0; i < DL / 2; ++i) h[i] = __floats2half2_rn(acc[2 * i] * inv, acc[2 * i + 1] * inv);
         *reinterpret_cast<typename HalfRow<DL>::T*>(a.out + at) = raw;
+        if constexpr (DL == 4) {
+            if (a.next_xb) {  // o_proj's input chunk `head` from these bits, as its prep would
+                const int head = kvh * a.G + g0 + g;
+                half2 x0, x1;
+                lane_xh(raw, next_s, lane, x0, x1);
+                const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
+                store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, head, a.Hkv * a.G, 1, lane, f);
+            }
+        }
     };
     if (a.n_split == 1) {
         if (merges && g < ng) write_out(O, L);

@@ -25,6 +25,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "exl3_decode.cuh"
 #include "exl3_mm.cuh"  // kMul1Inv, kMul1C0 (MUL1 value = kMul1Inv * byte sum + kMul1C0)
 #include "exl3_prep.cuh"
@@ -158,21 +160,57 @@ __device__ __forceinline__ void sp_store_chunk(uint32_t* slot, half2 o0, half2 o
     if ((lane & 3) == 0) slot[kSpRowSumWord + krow] = __float_as_uint(rs);
 }
 
+// A product's decode-chain arguments (MmArgs::in_part, in_eps, next), one __grid_constant__
+// kernel parameter so that the output stage reads them in place (passed by value, they cost the
+// main loop spills around the call).
+struct GvChain {
+    const float* in_part;
+    float in_eps;
+    ChainOut next;
+};
+// The same parameter of the kernels without chain code (CH false): products that neither read
+// nor write a chain are built as before, so chains cost them nothing (measured: built into every
+// product, the chain code made decode 4% slower with chains off).
+struct GvNoChain {};
+template <bool CH>
+using GvChainArg = std::conditional_t<CH, GvChain, GvNoChain>;
+
+// The decode chain's part of the output stage (chain_block, m = 1) for a block this warp
+// finished, called after the main loop: its registers on top of the loop's live state made the
+// kernel spill wherever it was called inside the loop (also from within gv_finish_block or
+// inlined there). Nothing waits for it earlier: the next product reads its input only once this
+// whole grid is done. It reads back the outputs the warp wrote.
+static __device__ __noinline__ void gv_chain_block(const ChainOut* nx, const half* y, int blk, int lane) {
+    const uint2 o = *reinterpret_cast<const uint2*>(y + blk * 128 + lane * 4);
+    chain_block(*nx, y, as_h2(o.x), as_h2(o.y), blk, lane);
+}
+
 // The output transform of one finished 128-column block (see finish_block in the kernel). Not
 // inlined: it runs about once per warp, and inlined its registers would crowd the main loop.
+// ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms (MmArgs::in_part).
+template <bool CH>
 static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half* __restrict__ y, int ldy,
                                              uint2 sv, uint2 bv, bool has_bias, int m, int out,
-                                             int blk, int lane) {
+                                             int blk, int lane, int in, const GvChain* ch) {
+    const float* __restrict__ in_part = CH ? ch->in_part : nullptr;
     fence_acq_rel_gpu();  // acquire: every contribution counted is visible
     const int k = blk * 128 + lane * 4;
     for (int r = 0; r < m; ++r) {
+        float scale = kHadNorm;
+        if (in_part) {
+            float t = 0.f;
+            for (int c = lane; c < (in >> 7); c += 32) t += in_part[(size_t)r * (in >> 7) + c];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+            scale *= rsqrtf(t / in + ch->in_eps);
+        }
         float4* zp = reinterpret_cast<float4*>(z + (size_t)r * out + k);
         const float4 f = __ldcg(zp);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
         float v[4] = {f.x, f.y, f.z, f.w};
         wht128_lane4(v, lane);
-        half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
-        half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+        half2 o0 = __floats2half2_rn(v[0] * scale, v[1] * scale);
+        half2 o1 = __floats2half2_rn(v[2] * scale, v[3] * scale);
         o0 = __hmul2(o0, as_h2(sv.x));
         o1 = __hmul2(o1, as_h2(sv.y));
         if (has_bias) {
@@ -186,7 +224,7 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
 // VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
 // the same work, to time the memory layout).
-template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP>
+template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  const uint32_t* __restrict__ xb,       // fragment-ordered activations
@@ -195,7 +233,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
-                 int seg_c3, int early_trigger) {
+                 int seg_c3, int early_trigger, const __grid_constant__ GvChainArg<CH> chain) {
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
@@ -504,6 +542,10 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // through L2 (__ldcg) after the count shows every contribution.
     // The block's output scales and bias (weights) are read before the flush's atomics, so their
     // DRAM latency overlaps those and the fence instead of following the completion count.
+    // Blocks this warp finished whose chain output is still to write: up to four 16-bit block
+    // indices (the host's check, gemv_chain_fits), newest in the low bits.
+    uint64_t chain_blocks = 0;
+    int n_chain = 0;
     auto finish_block = [&](uint2 sv, uint2 bv) {
         fence_acq_rel_gpu();  // release: this warp's atomics to z before its count
         __syncwarp();
@@ -512,8 +554,18 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         if (lane == 0) prev = atomicAdd(counters + blk, seg_units);
         prev = __shfl_sync(0xffffffffu, prev, 0);
         if (prev + seg_units != tk * (8 / CT)) return;
-        gv_finish_block(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane);
+        if constexpr (CH) {
+            gv_finish_block<true>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, &chain);
+        } else {
+            gv_finish_block<false>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, nullptr);
+        }
         if (lane == 0) counters[blk] = 0;
+        if constexpr (CH) {
+            if (chain.next.mode) {  // its chain output after the main loop (gv_chain_block)
+                chain_blocks = chain_blocks << 16 | (uint64_t)blk;
+                ++n_chain;
+            }
+        }
     };
 
     zero_acc();
@@ -629,42 +681,60 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             load_scales();
         }
     }
+    if constexpr (CH) {
+        for (; n_chain > 0; --n_chain, chain_blocks >>= 16)
+            gv_chain_block(&chain.next, y, (int)(chain_blocks & 0xffffu), lane);
+    }
     cp_async_wait<0>();
+}
+
+template <bool CH>
+GvChainArg<CH> chain_arg(const MmArgs& a) {
+    if constexpr (CH) {
+        return GvChain{a.in_part, a.in_eps, a.next};
+    } else {
+        return GvNoChain{};
+    }
 }
 
 // Host side: grid = resident warps (MINB blocks of 8 warps per SM), capped so that every warp has
 // at least gemv_min_units() units (gv_blocks).
-template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0, bool SP = false>
+template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0, bool SP = false, bool CH = false>
 cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     using S = GvShape<PATH, NG, CFG>;
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16 / S::KR);
     const long blocks = gv_blocks(units, S::MINB, a.num_sms);
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
-    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP>;
+    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                       a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
-                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger);
+                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger, chain_arg<CH>(a));
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is
 // paid half as often (ncu, 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59).
 // Small ones keep one (CFG 0), so that they still have enough units to spread over every SM.
 // one_row: debug variant 10, one k row everywhere.
-template <int K, int CB, int PATH, int NG, bool SP>
+template <int K, int CB, int PATH, int NG, bool SP, bool CH = false>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
-        if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms)) return launch_gemv_var<K, CB, PATH, NG, 0, 9, SP>(a, stream);
+        if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms))
+            return launch_gemv_var<K, CB, PATH, NG, 0, 9, SP, CH>(a, stream);
     }
-    return launch_gemv_var<K, CB, PATH, NG, 0, 0, SP>(a, stream);
+    return launch_gemv_var<K, CB, PATH, NG, 0, 0, SP, CH>(a, stream);
 }
 
 // Debug variants: 1-3 the timing probes (one-group shapes), 10 + CFG an occupancy configuration
 // (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
+    if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path at m = 1 only
+        if constexpr (PATH == GV_I8 && NG == 1) return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
+        return cudaErrorInvalidValue;
+    }
     if constexpr (PATH == GV_I8 && NG == 1) {  // the host chose self prep (gemv_self_prep)
         if (a.self_prep) return launch_gemv_shipped<K, CB, PATH, NG, true>(a, false, stream);
     }

@@ -152,22 +152,7 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
         return;
     }
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
-    const Int8Chunk ch(f);
-    const size_t fb = ((size_t)i * ng + (r >> 2)) * 32;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int kk = kk0 + q;
-        const int cq = (kk & 7) >> 1;
-        const int slot = (kk & 1) + 2 * (kk >> 3);
-        uint32_t w1, w2;
-        ch.passes(f[q], w1, w2);
-        xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
-        xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
-    }
-    if (lane == 0) {
-        scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
-        csum[(size_t)r * nch + c] = ch.sum;
-    }
+    store_i8_chunk(xb, scales, csum, r, c, nch, ng, lane, f);
 }
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
@@ -189,6 +174,18 @@ void set_early_trigger(int mode) { early_trigger_flag() = mode >= 0 && mode <= 2
 int early_trigger_setting() { return early_trigger_flag(); }
 void set_prep_skip(bool enabled) { prep_skip_flag() = enabled; }
 void set_self_prep(bool enabled) { self_prep_flag() = enabled; }
+
+bool gemv_chain_fits(const MmArgs& a) {
+    if (mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.in % 128 || a.out % 128) return false;
+    // The warp with the most units spans at most (units - 1) / rows_kr + 2 column groups (the
+    // kernel records up to four finished blocks for their chain output).
+    const int kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
+    const long rows_kr = a.in / 16 / kr;
+    const long units = (long)(a.out / 128) * rows_kr;
+    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
+    const long most = (units + warps - 1) / warps;
+    return (most - 1) / rows_kr + 2 <= 4 && a.out / 128 <= 0xffff;
+}
 
 bool gemv_self_prep(const MmArgs& a) {
     if (!self_prep_flag() || mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.codebook != CB_MUL1 ||

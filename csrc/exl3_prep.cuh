@@ -8,6 +8,7 @@
 
 #include "exl3_decode.cuh"
 #include "exl3_mm.cuh"
+#include "kernels.h"
 
 namespace trellis {
 
@@ -208,5 +209,116 @@ struct Int8Chunk {
         w2 = ((uint32_t)q2 & 0xffu) * 0x01010101u;
     }
 };
+
+// Store one 128-chunk's int8 passes (prep_frag's version-3 I8 layout) with its steps and sum:
+// row r, chunk c of nch, fragment groups ng; f = this lane's 4 values c * 128 + lane * 4 + 0..3.
+// Element (r, k): k row i = k / 16, kk = k % 16, lane quad cq = (kk % 8) / 2; B lane
+// (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words, group r / 4.
+__device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2* __restrict__ scales,
+                                               float* __restrict__ csum, int r, int c, int nch, int ng,
+                                               int lane, const float f[4]) {
+    const Int8Chunk ch(f);
+    const int k = c * 128 + lane * 4;
+    const int kk0 = k & 15;  // even; the lane's 4 values are kk0 .. kk0+3 of k row k / 16
+    const size_t fb = ((size_t)(k >> 4) * ng + (r >> 2)) * 32;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int kk = kk0 + q;
+        const int cq = (kk & 7) >> 1;
+        const int slot = (kk & 1) + 2 * (kk >> 3);
+        uint32_t w1, w2;
+        ch.passes(f[q], w1, w2);
+        xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
+        xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
+    }
+    if (lane == 0) {
+        scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
+        csum[(size_t)r * nch + c] = ch.sum;
+    }
+}
+
+// Decode chain mode 1 for NSEG segments: (y + res) * norm_w * suh[seg] through the Hadamard
+// into int8 chunks. Every load is issued first (one round trip) and the segments' transforms are
+// unrolled together, so their shuffle chains overlap: this runs on the product's tail.
+template <int NSEG>
+__device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane) {
+    const int nch = nx.n >> 7;
+    const size_t seg_words = (size_t)(nx.n >> 4) * 32 * 4;
+    const int k = blk * 128 + lane * 4;
+    const uint2 rv = nx.res ? *reinterpret_cast<const uint2*>(nx.res + k) : make_uint2(0u, 0u);
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(nx.norm_w + k));
+    uint2 sv[NSEG];
+#pragma unroll
+    for (int seg = 0; seg < NSEG; ++seg) sv[seg] = __ldg(reinterpret_cast<const uint2*>(nx.suh + (size_t)seg * nx.n + k));
+    uint2 h = make_uint2(as_u32(o0), as_u32(o1));
+    if (nx.res)  // the residual add as the norm kernels round it (one fp16 add)
+        h = make_uint2(as_u32(__hadd2(as_h2(h.x), as_h2(rv.x))), as_u32(__hadd2(as_h2(h.y), as_h2(rv.y))));
+    if (nx.res_out) *reinterpret_cast<uint2*>(nx.res_out + k) = h;
+    const float2 a = __half22float2(as_h2(h.x)), b = __half22float2(as_h2(h.y));
+    const float hv[4] = {a.x, a.y, b.x, b.y};
+    float ss = hv[0] * hv[0] + hv[1] * hv[1] + hv[2] * hv[2] + hv[3] * hv[3];
+    const float2 wa = __half22float2(as_h2(w.x)), wb = __half22float2(as_h2(w.y));
+    const float hw[4] = {hv[0] * wa.x, hv[1] * wa.y, hv[2] * wb.x, hv[3] * wb.y};
+    float f[NSEG][4];
+#pragma unroll
+    for (int seg = 0; seg < NSEG; ++seg) {
+        const float2 sa = __half22float2(as_h2(sv[seg].x)), sb = __half22float2(as_h2(sv[seg].y));
+        f[seg][0] = hw[0] * sa.x, f[seg][1] = hw[1] * sa.y, f[seg][2] = hw[2] * sb.x, f[seg][3] = hw[3] * sb.y;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+#pragma unroll
+    for (int seg = 0; seg < NSEG; ++seg) wht128_lane4(f[seg], lane);
+#pragma unroll
+    for (int seg = 0; seg < NSEG; ++seg) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) f[seg][q] *= kHadNorm;
+        store_i8_chunk(nx.xb + seg * seg_words, nx.scales + (size_t)seg * nch, nx.csum + (size_t)seg * nch, 0, blk,
+                       nch, 1, lane, f[seg]);
+    }
+    if (lane == 0) nx.part[blk] = ss;
+}
+
+// Decode chain (ChainOut, m = 1), run by the warp that finished output block `blk` of a product
+// after it wrote y there: o0, o1 are this lane's 4 outputs (columns blk * 128 + lane * 4 ..).
+// Writes the block's part of the next product's int8 input (see ChainOut in kernels.h).
+__device__ __forceinline__ void chain_block(const ChainOut& nx, const half* y, half2 o0, half2 o1, int blk,
+                                            int lane) {
+    if (nx.mode == 1) {
+        switch (nx.nseg) {
+            case 1: return chain_normed<1>(nx, o0, o1, blk, lane);
+            case 2: return chain_normed<2>(nx, o0, o1, blk, lane);
+            case 3: return chain_normed<3>(nx, o0, o1, blk, lane);
+            default: return chain_normed<4>(nx, o0, o1, blk, lane);
+        }
+    }
+    // mode 2: blocks j (gate) and j + nch (up) make chunk j of act(gate) * up. The first of the
+    // two to finish only counts; the second reads the other's y through L2.
+    const int nch = nx.n >> 7;
+    const int j = blk < nch ? blk : blk - nch;
+    const uint2 s = __ldg(reinterpret_cast<const uint2*>(nx.suh + j * 128 + lane * 4));
+    fence_acq_rel_gpu();  // release: this warp's y before its count
+    __syncwarp();
+    int prev = 0;
+    if (lane == 0) prev = atomicAdd(nx.pairs + j, 1);
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    if (prev == 0) return;
+    fence_acq_rel_gpu();  // acquire: the other block's y
+    const int other = blk < nch ? blk + nch : blk - nch;
+    const uint2 ov = __ldcg(reinterpret_cast<const uint2*>(y + other * 128 + lane * 4));
+    const uint2 own = make_uint2(as_u32(o0), as_u32(o1));
+    const uint2 g = blk < nch ? own : ov, u = blk < nch ? ov : own;
+    // The same bits as the down projection's own prep (lane_input's gated branch, then lane_xh).
+    const half2 g0 = as_h2(g.x), g1 = as_h2(g.y), u0 = as_h2(u.x), u1 = as_h2(u.y);
+    const uint2 xv = make_uint2(as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), nx.act),
+                                                      gated_value(__high2half(g0), __high2half(u0), nx.act))),
+                                as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), nx.act),
+                                                      gated_value(__high2half(g1), __high2half(u1), nx.act))));
+    half2 x0, x1;
+    lane_xh(xv, s, lane, x0, x1);
+    const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
+    store_i8_chunk(nx.xb, nx.scales, nx.csum, 0, j, nch, 1, lane, f);
+    if (lane == 0) nx.pairs[j] = 0;
+}
 
 }  // namespace trellis

@@ -19,6 +19,32 @@ struct PrepNorm {
     float eps = 0.f;
 };
 
+// Decode chain (version 3, m = 1): the warp that finishes a 128-column block of this product's
+// output also writes that block's part of the next product's MUL1 integer input (the int8
+// passes, steps and chunk sums prep_frag would write), so no prep kernel runs between the two.
+// mode 1 (normed): the next input is rms_norm(y + res) * norm_w. A block cannot know the row's
+//   1 / rms, so it writes the chunks of (y + res) * norm_w (the int8 passes are scale-invariant)
+//   and its sum of squares to part[block]; the next product's output stage applies 1 / rms
+//   (MmArgs::in_part). y + res goes to res_out (the residual stream).
+// mode 2 (gated): this product is a gated MLP's grouped gate/up (out = 2n, up from column n) and
+//   the next input is act(gate) * up: the second of a chunk's two blocks to finish writes it
+//   (pairs: int32 [n / 128], zero on entry and left zero).
+struct ChainOut {
+    int mode = 0;  // 0: none
+    uint32_t* xb = nullptr;   // the next product's xb, scales, csum (prep_frag's layout, ng = 1)
+    float2* scales = nullptr;
+    float* csum = nullptr;
+    const half* suh = nullptr;  // the next product's input signs [nseg, n]
+    int nseg = 1;
+    int n = 0;  // the next product's in
+    const half* norm_w = nullptr;  // mode 1
+    const half* res = nullptr;     // mode 1, optional
+    half* res_out = nullptr;       // mode 1, optional
+    float* part = nullptr;         // mode 1: [n / 128]
+    int* pairs = nullptr;          // mode 2
+    int act = 0;                   // mode 2: 0 SiLU, 1 GELU tanh, 2 GELU erf
+};
+
 // Inputs of the fused product for one chunk of m <= kMaxFusedRows rows.
 struct MmArgs {
     const half* xh = nullptr;       // fp16 path: had128(x * suh), [m, in], row stride ldxh
@@ -61,6 +87,13 @@ struct MmArgs {
     int act = 0;
     PrepNorm norm;
     const half* suh = nullptr;
+    // Version 3 with y: the output stage prepares the next product's input (see ChainOut).
+    ChainOut next;
+    // Version 3 with y, m = 1: the input (xb, scales, csum) was written by the previous product's
+    // output stage in mode 1, without the norm's 1 / rms: in_part holds the sums of squares of its
+    // in / 128 blocks and this product's output stage scales by rsqrt(sum / in + in_eps).
+    const float* in_part = nullptr;
+    float in_eps = 0.f;
 };
 
 // xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
@@ -127,6 +160,10 @@ void set_self_prep(bool enabled);
 // fit its chunk slots.
 bool gemv_self_prep(const MmArgs& a);
 
+// Whether the product described by `a` can write a chain output (ChainOut): one row, no debug
+// variant, and no warp finishes more column blocks than the kernel keeps for their chain output.
+bool gemv_chain_fits(const MmArgs& a);
+
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
                              int codebook, cudaStream_t stream);
@@ -180,6 +217,13 @@ struct DecodeAttnArgs {
     int B = 0, Hkv = 0, G = 0, S = 0, D = 0, n_split = 1;
     float scale = 1.f;
     bool early_trigger = false;  // see set_early_trigger (mode 1)
+    // Decode chain into o_proj (B = 1, D = 128; see ChainOut): the output's head h is o_proj's
+    // input chunk h, so the kernel also writes o_proj's int8 input (prep_frag's layout, one
+    // fragment group) with o_proj's input signs next_suh [H * D]; no prep kernel runs for it.
+    uint32_t* next_xb = nullptr;
+    float2* next_scales = nullptr;
+    float* next_csum = nullptr;
+    const half* next_suh = nullptr;
 };
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
 int decode_attention_counters(int batch, int kv_heads, int groups);

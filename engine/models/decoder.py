@@ -52,6 +52,9 @@ class Attention(nn.Module):
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcapping
         self.qkv: QuantLinearGroup | None = None  # set by fuse_projections on the GPU
+        # Set by a layer whose next reader launches deferred products (engine/ops/chain.py): the
+        # output may then be an ops.Deferred.
+        self.defer_output = False
 
     def fuse_projections(self, device_type: str | None) -> bool:
         if self.qkv is None:
@@ -78,8 +81,16 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)
+        if self.defer_output and self.softcap is None and getattr(self.o_proj, "compressed", False):
+            # one decode row: the attention kernel writes o_proj's input, o_proj stays deferred
+            chained = ops.attention_into_chain(q, k, v, mask, self.scale, self.o_proj.exl3, self.o_proj.out_features)
+            if chained is not None:
+                return chained[1]
         out = attention(q, k, v, mask, self.scale, self.softcap)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if self.defer_output and hasattr(self.o_proj, "deferred"):
+            return self.o_proj.deferred(out)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -95,17 +106,22 @@ class DecoderLayer(nn.Module):
             load.linear(f"{key}.mlp.down_proj", inter, c.hidden_size, bias=c.mlp_bias),
             c.hidden_act,
         )
+        # Both outputs go to a norm that a grouped product reads (residual_forward), so on the GPU
+        # they may stay deferred: that product launches them, their output stage writing its input.
+        self.self_attn.defer_output = self.mlp.defer_output = True
 
     def forward(self, x, cos, sin, mask, cache):
         x, mlp_out = self.residual_forward(x, None, cos, sin, mask, cache)
-        return x + mlp_out
+        return x + ops.as_tensor(mlp_out)
 
     def residual_forward(self, x, pending, cos, sin, mask, cache):
         """(residual stream, this layer's MLP output not yet added to it). Each residual add
         rides with the norm that follows it: `pending` (the previous layer's MLP output) with this
         layer's input norm, the attention output with the post-attention norm. On the GPU both
         norms (and their adds) run inside the prep of the grouped product that reads them, so
-        `h.sum`, the residual stream, exists once that product has run."""
+        `h.sum`, the residual stream, exists once that product has run. At one row the attention
+        and MLP outputs may be deferred products (engine/ops/chain.py): the grouped product that
+        reads the norm launches them, and their output stage writes its input (and the sum)."""
         h = self.input_layernorm.pending(x) if pending is None else self.input_layernorm.pending(pending, x)
         a = self.self_attn(h, cos, sin, mask, cache)
         h = self.post_attention_layernorm.pending(a, ops.as_sum(h))

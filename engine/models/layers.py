@@ -38,6 +38,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add rides in the norm's kernel."""
+        x = ops.as_tensor(x)  # a deferred product (engine/ops/chain.py) runs now
         if not self.unit_offset:
             return ops.add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
@@ -112,6 +113,13 @@ class QuantLinear(DenseLinear):
         if self.compressed:
             return ops.exl3_linear(x, self.exl3, self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def deferred(self, x: torch.Tensor) -> "torch.Tensor | ops.Deferred":
+        """self(x), or for one row on the GPU that product not launched yet, so that the product
+        reading it can have its output stage write that product's input (engine/ops/chain.py)."""
+        if self.compressed:
+            return ops.defer_linear(x, self.exl3, self.out_features)
+        return self(x)
 
     def gated_forward(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
         """self(gated_act(gate, up, act)); compressed on the GPU, the activation is computed by
@@ -274,13 +282,22 @@ class GatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act_name = check_activation(act)
         self.gate_up: QuantLinearGroup | None = None
+        # Set by a layer whose next reader launches deferred products (engine/ops/chain.py): the
+        # output may then be an ops.Deferred.
+        self.defer_output = False
 
     def fuse_projections(self, device_type: str | None) -> bool:
         if self.gate_up is None:
             self.gate_up = QuantLinearGroup.build([self.gate_proj, self.up_proj], device_type)
         return self.gate_up is not None
 
-    def forward(self, x: "torch.Tensor | ops.PendingNorm") -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | ops.PendingNorm") -> "torch.Tensor | ops.Deferred":
+        if self.gate_up is not None and isinstance(self.down_proj, QuantLinear) and self.down_proj.compressed:
+            # one row on the GPU: gate/up's output stage writes the down projection's input
+            out = ops.gated_chain(x, self.gate_up.group, self.down_proj.exl3, self.act_name,
+                                  self.down_proj.out_features, defer=self.defer_output)
+            if out is not None:
+                return out
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:

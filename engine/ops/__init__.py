@@ -6,6 +6,7 @@ The reference paths are the specification the kernels are tested against; they r
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.formats import exl3 as _fmt
+from engine.ops import chain as _chain
+from engine.ops.chain import ChainOut, Deferred, PreparedInput
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -41,6 +44,11 @@ ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "
 _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
 if _DEFAULT_VARIANT < 10:
     _DEFAULT_VARIANT = 0
+
+# Decode chains (engine/ops/chain.py): a product's output stage writes the next product's input,
+# so no prep kernel runs between them. Off by default (TRELLIS_CHAIN=1 turns them on): measured on
+# the H200 they were no faster than the prep kernels they replace (csrc/PERF_NOTES.md, session 7).
+CHAIN = os.environ.get("TRELLIS_CHAIN", "0") == "1"
 
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
@@ -171,7 +179,7 @@ def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None) -> torch.Tensor | None:
     """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
     (grouped heads read in place), mask additive [1 or B, S] or None. None when the kernel does
     not take these tensors; the caller then runs SDPA (models/layers.attention)."""
@@ -180,7 +188,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # One completion counter per block row of the kernel (batch x kv head x group of up to 4
     # query heads): B x H is always enough.
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
-    return extension().decode_attention(q, k, v, mask, float(scale), counters)
+    nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
+    return extension().decode_attention(q, k, v, mask, float(scale), counters, nxt)
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,7 +213,8 @@ def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None,
-              version: int | None = None, up: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+              version: int | None = None, up: torch.Tensor | None = None, act: str = "silu",
+              chain: ChainOut | None = None) -> torch.Tensor:
     """y = x @ W (+ bias) for an EXL3 linear `t` (EXL3Tensors-like: trellis, suh, svh,
     codebook, bias). x [..., in] (zero-extended if shorter than the padded `in`); returns
     [..., out_padded] in x's dtype on the CUDA path, fp32 on the reference path.
@@ -212,7 +222,8 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     mode: "auto" (fused kernel up to FUSED_MAX_ROWS rows, else reconstruct + cuBLAS), "fused",
     "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
     m <= 8 (None: up to INT8_MAX_ROWS rows). up: the input is gated_act(x, up, act) instead of x; the fused
-    kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer)."""
+    kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer).
+    chain: what the output stage also writes for the next product (one row, fused; chain.py)."""
     in_f = t.trellis.shape[0] * 16
     version = MM_VERSION if version is None else version
     fused = mode == "fused" or (mode == "auto" and x.shape[:-1].numel() <= FUSED_MAX_ROWS)
@@ -225,14 +236,15 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     if x.shape[-1] < in_f:
         x = F.pad(x, (0, in_f - x.shape[-1]))
     if mode == "torch" or not _use_cuda(x, t.suh, t.svh) or not t.trellis.is_cuda:
+        _no_chain(chain)
         return _fmt.exl3_matmul_reference(x, t)
     lead = x.shape[:-1]
+    if chain is not None and not (fused and version == 3 and lead.numel() == 1):
+        _no_chain(chain)
     x2 = _kernel_rows(x, in_f)
     rows = x2.shape[0]
     out_f = t.trellis.shape[1] * 16
-    bias = t.bias
-    if bias is not None and bias.numel() != out_f:
-        bias = F.pad(bias, (0, out_f - bias.numel()))
+    bias = _padded_bias(t, out_f)
     ext = extension()
     if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
@@ -240,13 +252,31 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
         counters = block_counters(x.device, out_f // 128) if version == 3 else None
         up2 = None if up is None else _kernel_rows(up, in_f)
         y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8),
-                          version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0, None, 0.0, None, None)
+                          version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0, None, 0.0, None, None,
+                          [], *_chain_args(chain))
     else:
         xh = ext.had128(x2, t.suh, None, None)
         w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])
         z = torch.matmul(xh, w_hat)
         y = ext.had128(z, None, t.svh, bias)
     return y.reshape(*lead, out_f)
+
+
+def _no_chain(chain: ChainOut | None) -> None:
+    """A chain output asked of a path that cannot write it would leave the next input unwritten."""
+    if chain is not None:
+        raise ValueError("a chain output needs the fused one-row product on the GPU")
+
+
+def _chain_args(chain: ChainOut | None) -> tuple:
+    return ([], 0, 0) if chain is None else (chain.tensors, chain.mode, chain.act)
+
+
+def _padded_bias(t, out_f: int) -> torch.Tensor | None:
+    bias = t.bias
+    if bias is not None and bias.numel() != out_f:
+        bias = F.pad(bias, (0, out_f - bias.numel()))
+    return bias
 
 
 def _kernel_rows(x: torch.Tensor, in_f: int) -> torch.Tensor:
@@ -258,16 +288,24 @@ def _kernel_rows(x: torch.Tensor, in_f: int) -> torch.Tensor:
 
 
 def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str = "auto",
-                    int8: bool | None = None) -> list[torch.Tensor]:
+                    int8: bool | None = None, chain: ChainOut | None = None) -> list[torch.Tensor]:
     """[x @ W_i (+ bias_i) for each member i of the group], each [..., out_i padded]. On the GPU
     one prep and one product launch serve every member (the prep writes each member's
     activations, int8 steps and sums); prefills reconstruct the joined W-hat once. Elsewhere
     each member's reference product. int8 as in exl3_gemm. x may be a PendingNorm: the fused
-    product's prep then computes the norm (and the residual sum) itself."""
+    product's prep then computes the norm (and the residual sum) itself; where its x is a Deferred
+    product, that product's output stage writes this one's input (chain.py). chain: what this
+    product's output stage writes for the next one (one row, fused)."""
     in_f = g.trellis.shape[0] * 16
     rows = x.shape[:-1].numel()
     fused = mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS)
     norm = None
+    if isinstance(x, PendingNorm) and isinstance(x.x, Deferred):
+        y = _chain.chain_into_group(x, g, chain) if fused and (int8 is None or int8) else None
+        if y is not None:
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return [y[..., a:b] for a, b in g.bounds]
+        x.x = x.x.value()
     if isinstance(x, PendingNorm):
         if fused and x.fusable(in_f) and g.trellis.is_cuda:
             norm, x = x, x.x
@@ -275,7 +313,8 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str 
             x = x.value()
     if x.shape[-1] < in_f:
         x = F.pad(x, (0, in_f - x.shape[-1]))
-    if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda:
+    if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda or (chain is not None and not fused):
+        _no_chain(chain)
         return [_fmt.exl3_matmul_reference(x, t) for t in g.members]
     lead = x.shape[:-1]
     x2 = _kernel_rows(x, in_f)
@@ -293,7 +332,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str 
             norm_args = (norm.weight, norm.eps, res, res_out)
             norm.sum = norm.x if res_out is None else res_out.view(norm.x.shape)
         y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, int(use_i8), 3, counters, g.seg_cols,
-                          None, 0, *norm_args)
+                          None, 0, *norm_args, [], *_chain_args(chain))
     else:
         w_hat = ext.exl3_reconstruct(g.trellis, cb)
         z = torch.cat([torch.matmul(ext.had128(x2.contiguous(), g.suh[i], None, None), w_hat[:, a:b])
@@ -363,6 +402,8 @@ class PendingNorm:
         return self.x.dtype
 
     def value(self) -> torch.Tensor:
+        if isinstance(self.x, Deferred):
+            self.x = self.x.value()
         if self.normed is None:
             if self.residual is None:
                 self.normed, self.sum = rms_norm(self.x, self.weight, self.eps), self.x
@@ -372,14 +413,16 @@ class PendingNorm:
 
     def fusable(self, in_features: int) -> bool:
         """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width."""
+        if isinstance(self.x, Deferred):
+            return False
         rows = [self.x] if self.residual is None else [self.x, self.residual]
         return (self.normed is None and GLUE_KERNELS and _use_cuda(self.weight, *rows)
                 and self.x.shape[-1] == in_features and self.weight.is_contiguous()
                 and all(t.shape == self.x.shape and t.is_contiguous() and t.data_ptr() % 8 == 0 for t in rows))
 
 
-def as_tensor(x: "torch.Tensor | PendingNorm") -> torch.Tensor:
-    return x.value() if isinstance(x, PendingNorm) else x
+def as_tensor(x: "torch.Tensor | PendingNorm | Deferred") -> torch.Tensor:
+    return x.value() if isinstance(x, (PendingNorm, Deferred)) else x
 
 
 def as_sum(p: PendingNorm) -> torch.Tensor:
@@ -449,9 +492,15 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     return q, k
 
 
+# Decode chains (engine/ops/chain.py), for the models.
+defer_linear = _chain.defer_linear
+gated_chain = _chain.gated_chain
+attention_into_chain = _chain.attention_into_chain
+
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
-    "can_group", "exl3_reconstruct", "hadamard128", "rms_norm", "add_rms_norm",
+    "can_group", "defer_linear", "gated_chain", "attention_into_chain", "Deferred", "exl3_reconstruct",
+    "hadamard128", "rms_norm", "add_rms_norm",
     "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
     "extension",
 ]

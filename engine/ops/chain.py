@@ -1,0 +1,229 @@
+"""Decode chains: a product's output stage writes the next product's input.
+
+At one token per step every quantized linear's input needs a prep (the norm, the input signs,
+the 128-point Hadamard, the int8 passes of the MUL1 integer path). As a kernel of its own that
+prep was a kernel boundary on the critical path before each product, about 12% of a decode step
+(csrc/PERF_NOTES.md, session 6). In a chain the warp that finishes a 128-column block of one
+product's output writes that block's part of the next product's input (csrc/kernels.h, ChainOut),
+so the next product follows the first directly. A Llama-style layer chains three times:
+
+    o_proj  -> gate/up     rms_norm(o + residual) * w. A block cannot know the row's 1 / rms, so it
+                           writes its chunks of (o + residual) * w (the int8 passes are
+                           scale-invariant) and its sum of squares; the consumer's output stage
+                           applies 1 / rms.
+    gate/up -> down        act(gate) * up, by whichever block of a chunk's pair finishes second
+                           (bit for bit the down projection's own prep).
+    down    -> next q/k/v  as o_proj -> gate/up.
+
+A product whose reader is not launched yet is a Deferred: the reader launches it with the chain
+output it needs, and anything else calls value() and gets the plain product.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import ops  # a cycle (ops imports this module first): used at call time only
+
+
+@dataclass
+class PreparedInput:
+    """A one-row product's int8 input in prep_frag's layout (one fragment group): xb [segments,
+    in/16, 1, 32, 4], the passes' steps and the chunk sums. With `part` (sums of squares of the
+    in/128 blocks) the values still lack the norm's 1 / rms, which the product applies (eps)."""
+
+    xb: torch.Tensor
+    scales: torch.Tensor
+    csum: torch.Tensor
+    part: torch.Tensor | None = None
+    eps: float = 0.0
+
+    @staticmethod
+    def empty(segments: int, n: int, device: torch.device, normed: bool = False, eps: float = 0.0) -> "PreparedInput":
+        nch = n // 128
+        return PreparedInput(
+            xb=torch.empty(segments, n // 16, 1, 32, 4, dtype=torch.int32, device=device),
+            scales=torch.empty(segments, 1, nch, 2, dtype=torch.float32, device=device),
+            csum=torch.empty(segments, 1, nch, dtype=torch.float32, device=device),
+            part=torch.empty(nch, dtype=torch.float32, device=device) if normed else None,
+            eps=eps,
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.xb, self.scales, self.csum] + ([self.part] if self.part is not None else [])
+
+
+@dataclass
+class ChainOut:
+    """What a product's output stage writes for the next product (csrc/kernels.h, ChainOut):
+    mode 1 [xb, scales, csum, suh, part, norm_w (, residual, residual_out)], mode 2 [xb, scales,
+    csum, suh, pairs] with the activation id."""
+
+    mode: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    act: int = 0
+
+    @staticmethod
+    def normed(target: PreparedInput, suh: torch.Tensor, norm_w: torch.Tensor, residual: torch.Tensor | None = None,
+               residual_out: torch.Tensor | None = None) -> "ChainOut":
+        res = [] if residual is None else [residual.reshape(-1), residual_out.reshape(-1)]
+        return ChainOut(1, [target.xb, target.scales, target.csum, suh, target.part, norm_w, *res])
+
+    @staticmethod
+    def gated(target: PreparedInput, suh: torch.Tensor, pairs: torch.Tensor, act: int) -> "ChainOut":
+        return ChainOut(2, [target.xb, target.scales, target.csum, suh, pairs], act)
+
+
+@dataclass
+class Deferred:
+    """A one-row EXL3 product not launched yet. `x` is its input (a tensor, or a PreparedInput
+    some earlier product's output stage writes); `lead` the output's leading shape."""
+
+    x: "torch.Tensor | PreparedInput"
+    t: object  # EXL3Tensors
+    out_features: int
+    dtype: torch.dtype
+    lead: tuple[int, ...]
+    result: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.lead, self.out_features))
+
+    @property
+    def padded_out(self) -> int:
+        return self.t.trellis.shape[1] * 16
+
+    @property
+    def device(self) -> torch.device:
+        return self.t.trellis.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.t.trellis.is_cuda
+
+    def launch(self, chain: ChainOut | None = None) -> torch.Tensor:
+        """Run the product (its output stage writing `chain` too) and return its output."""
+        if self.result is not None:
+            raise RuntimeError("a deferred product runs once")
+        y = exl3_gemm_chained(self.x, self.t, chain)
+        if y.shape[-1] != self.out_features:
+            y = y[..., :self.out_features]
+        self.result = y.to(self.dtype).reshape(self.shape)
+        return self.result
+
+    def value(self) -> torch.Tensor:
+        return self.result if self.result is not None else self.launch(None)
+
+
+# ------------------------------------------------------------------------------------------
+# Launching chains (engine.ops re-exports defer_linear, gated_chain, attention_into_chain; its
+# exl3_gemm_group calls chain_into_group for a PendingNorm over a Deferred product)
+
+
+def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, o, out_features: int) -> "tuple[torch.Tensor, Deferred] | None":
+    """One decode step's attention (ops.decode_attention) whose kernel also writes o_proj's int8
+    input, and o_proj on it as a Deferred: no prep kernel for o_proj.
+    q [1, H, 1, 128]. None where the chain does not serve (the caller runs the plain path)."""
+    B, H, T, D = q.shape
+    n = H * D
+    if not (B == 1 and T == 1 and D == 128 and _takes_prepared(o, n, q.device) and _writes_chain(o)
+            and ops._decode_attention_serves(q, k, v, mask)):
+        return None
+    target = PreparedInput.empty(1, n, q.device)
+    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh))
+    return out, Deferred(target, o, out_features, q.dtype, (B, T))
+
+
+def exl3_gemm_chained(x: "torch.Tensor | PreparedInput", t, chain: ChainOut | None) -> torch.Tensor:
+    """One row of ops.exl3_gemm where x may be a PreparedInput (the previous product's output stage
+    wrote it) and the output stage may write `chain` for the next product. [1, out_padded]."""
+    if not isinstance(x, PreparedInput):
+        return ops.exl3_gemm(x.reshape(1, -1), t, mode="fused", chain=chain)
+    in_f, out_f = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16
+    device = t.trellis.device
+    ws = ops.workspace(device, out_f)
+    counters = ops.block_counters(device, out_f // 128)
+    stand_in = torch.empty(1, in_f, dtype=torch.float16, device=device)  # gives m; never read
+    return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, ops._padded_bias(t, out_f),
+                                     ops.CODEBOOK_IDS[t.codebook], ws, 0, 1, 3, counters, [], None, 0, None, x.eps,
+                                     None, None, x.tensors(), *ops._chain_args(chain))
+
+
+def _takes_prepared(t, in_f: int, device: torch.device) -> bool:
+    """Whether a one-row product of `t` can read a PreparedInput: the chain is on, the product
+    is the fused MUL1 integer path of the version-3 kernel, on the GPU."""
+    return (ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.INT8_MAX_ROWS >= 1
+            and ops.FUSED_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda and t.trellis.device == device
+            and t.trellis.shape[0] * 16 == in_f and in_f % 128 == 0 and ops._use_cuda(t.suh, t.svh))
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_fits(in_f: int, out_f: int, K: int) -> bool:
+    """Whether a one-row product of this shape can write a chain output (csrc gemv_chain_fits:
+    no warp finishes more column blocks than the kernel keeps, no debug variant)."""
+    return bool(ops.extension().chain_fits(in_f, out_f, K))
+
+
+def _writes_chain(t) -> bool:
+    """Whether a one-row product of t (EXL3Tensors or EXL3Group) can write a chain output: the MUL1
+    integer path (the kernels with chain code), a shape whose finished blocks the kernel can keep."""
+    in_f, out_f, K = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16, t.trellis.shape[2] // 16
+    return t.codebook == "mul1" and ops.INT8_MAX_ROWS >= 1 and ops._DEFAULT_VARIANT == 0 and _chain_fits(in_f, out_f, K)
+
+
+def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Deferred":
+    """ops.exl3_linear(x, t, out_features), or, for one row on the GPU where chains are on, the same
+    product not launched yet (a Deferred): its reader may launch it with a chain output."""
+    in_f = t.trellis.shape[0] * 16
+    if (ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
+            and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
+            and t.trellis.is_cuda and _writes_chain(t)):
+        return Deferred(x, t, out_features, x.dtype, tuple(x.shape[:-1]))
+    return ops.exl3_linear(x, t, out_features)
+
+
+_pair_counters: dict = {}  # per device: int32 per chunk pair, zero between calls
+
+
+def gated_chain(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group, down, act: str, out_features: int,
+                defer: bool = False) -> "torch.Tensor | Deferred | None":
+    """down(act(gate(x)) * up(x)) for one row, the gate/up product's output stage writing the down
+    projection's input. A Deferred down product with `defer`. None where the chain does not serve
+    (the caller then runs the plain path)."""
+    n = down.trellis.shape[0] * 16
+    lead = x.shape[:-1]
+    if (act not in ops._ACT_IDS or lead.numel() != 1 or len(g.members) != 2 or g.seg_cols != [n]
+            or g.trellis.shape[1] * 16 != 2 * n or not _takes_prepared(down, n, g.trellis.device)
+            or not _writes_chain(g)):
+        return None
+    target = PreparedInput.empty(1, n, g.trellis.device)
+    pairs = ops._zeroed(_pair_counters, g.trellis.device, n // 128, 1024, torch.int32)
+    ops.exl3_gemm_group(x, g, mode="fused", chain=ChainOut.gated(target, down.suh, pairs, ops._ACT_IDS[act]))
+    d = Deferred(target, down, out_features, x.dtype, tuple(lead))
+    return d if defer else d.value()
+
+
+def chain_into_group(p: "ops.PendingNorm", g: ops.EXL3Group, chain: ChainOut | None) -> torch.Tensor | None:
+    """The group's product on rms_norm(d + residual) where d = p.x is a Deferred product: d's
+    output stage writes the group's input, so no prep runs. None where the chain does not serve."""
+    d: Deferred = p.x
+    in_f = g.trellis.shape[0] * 16
+    res = p.residual
+    if not (d.padded_out == in_f == d.out_features and p.weight.is_contiguous() and p.weight.numel() == in_f
+            and ops._use_cuda(p.weight) and _takes_prepared(g, in_f, d.device) and d.shape.numel() == in_f
+            and (res is None or (res.is_contiguous() and res.shape == d.shape and ops._use_cuda(res)))):
+        return None
+    target = PreparedInput.empty(len(g.members), in_f, d.device, normed=True, eps=p.eps)
+    res_out = None if res is None else torch.empty_like(res)
+    y = d.launch(ChainOut.normed(target, g.suh, p.weight, res, res_out))
+    p.sum = y if res is None else res_out
+    out_f = g.trellis.shape[1] * 16
+    ext = ops.extension()
+    stand_in = torch.empty(1, in_f, dtype=torch.float16, device=d.device)  # gives m; never read
+    return ext.exl3_gemm(stand_in, g.suh, g.svh, g.trellis, g.bias, ops.CODEBOOK_IDS[g.codebook],
+                         ops.workspace(d.device, out_f), 0, 1, 3, ops.block_counters(d.device, out_f // 128),
+                         g.seg_cols, None, 0, None, target.eps, None, None, target.tensors(), *ops._chain_args(chain))

@@ -1,0 +1,201 @@
+"""Decode chains on the GPU (pytest -m gpu; engine/ops/chain.py): a product's output stage writes
+the next product's int8 input, against the prep-kernel path the chain replaces.
+
+- gate/up -> down: the same input bits as the down projection's own prep, so the same output up
+  to the order of the products' fp32 split-k atomics (which differs from run to run anyway).
+- o_proj -> a grouped product through rms_norm(o + residual): the residual stream bit for bit
+  (o + residual as fp16); the products within int8-pass rounding (the 1 / rms is applied after
+  the product instead of before the int8 passes).
+- whole models: decode steps with chains against the same steps without."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine import ops  # noqa: E402
+from engine.ops import chain  # noqa: E402
+from engine.formats import exl3 as fmt  # noqa: E402
+from tests.test_self_prep_gpu import rand_layer, rel_rms  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+@pytest.fixture
+def chains(monkeypatch):
+    """Run with chains on (the default) whatever the environment says."""
+    monkeypatch.setattr(ops, "CHAIN", True)
+
+
+def _zero_state():
+    for w in ops._workspaces.values():
+        assert float(w.abs().max()) == 0.0
+    for c in list(ops._counters.values()) + list(chain._pair_counters.values()):
+        assert int(c.abs().max()) == 0
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("hidden,inter,K", [(1024, 2816, 4), (4096, 14336, 4), (512, 1280, 2), (640, 384, 6)])
+def test_gated_chain_is_the_down_projections_own_prep(chains, act, hidden, inter, K):
+    seed = hidden + inter + K
+    gate, up = rand_layer(hidden, inter, K, seed), rand_layer(hidden, inter, K, seed + 1, bias=True)
+    down = rand_layer(inter, hidden, K, seed + 2, bias=True)
+    g = ops.join_linears([gate, up])
+    x = torch.randn(1, 1, hidden, device=DEV).half()
+    gy, uy = ops.exl3_gemm_group(x, g)
+    want = ops.exl3_gemm(gy, down, up=uy, act=act)
+    got = ops.gated_chain(x, g, down, act, hidden)
+    assert got is not None and got.shape == (1, 1, hidden)
+    assert rel_rms(got.reshape(1, -1), want.reshape(1, -1)) < 5e-4
+    ref = fmt.exl3_matmul_reference(ops.gated_act(gy, uy, act).float(), down)
+    assert rel_rms(got.reshape(1, -1), ref.reshape(1, -1)) < 2e-3
+    _zero_state()
+
+
+def test_gated_chain_declines_what_it_cannot_serve(chains):
+    gate, up, down = rand_layer(512, 768, 4, 1), rand_layer(512, 640, 4, 2), rand_layer(768, 512, 4, 3)
+    g = ops.join_linears([gate, up])  # halves of different widths
+    assert ops.gated_chain(torch.randn(1, 1, 512, device=DEV).half(), g, down, "silu", 512) is None
+    g2 = ops.join_linears([rand_layer(512, 768, 4, 4), rand_layer(512, 768, 4, 5)])
+    two_rows = torch.randn(2, 1, 512, device=DEV).half()
+    assert ops.gated_chain(two_rows, g2, down, "silu", 512) is None
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("n,outs,K,bias", [(1024, (1024, 256, 256), 4, False), (4096, (4096, 1024, 1024), 4, True),
+                                           (4096, (14336, 14336), 4, False), (512, (384, 128), 6, True),
+                                           (256, (768, 768), 2, False)])
+def test_normed_chain_into_a_group(chains, n, outs, K, bias, with_residual):
+    seed = n + sum(outs) + K
+    o = rand_layer(n, n, K, seed, bias=True)
+    g = ops.join_linears([rand_layer(n, c, K, seed + 1 + i, bias=bias) for i, c in enumerate(outs)])
+    w = (torch.rand(n, device=DEV) + 0.5).half()
+    a = torch.randn(1, 1, n, device=DEV).half()
+    res = (torch.randn(1, 1, n, device=DEV) * 8).half() if with_residual else None
+    if res is not None:
+        res[0, 0, 5] = 300.0  # an outlier channel, as real residual streams have
+    o_y = ops.exl3_linear(a, o, n)
+    plain = ops.PendingNorm(o_y, w, 1e-5, res)
+    want = ops.exl3_gemm_group(plain, g)
+
+    d = ops.defer_linear(a, o, n)
+    assert isinstance(d, ops.Deferred)
+    chained = ops.PendingNorm(d, w, 1e-5, res)
+    got = ops.exl3_gemm_group(chained, g)
+    assert rel_rms(d.result, o_y) < 5e-4
+    assert torch.equal(ops.as_sum(chained), d.result if res is None else d.result + res)  # bit for bit
+    normed = ops.rms_norm(ops.as_sum(plain), w, 1e-5)
+    for i, (gi, wi) in enumerate(zip(got, want)):
+        assert gi.shape == wi.shape
+        assert rel_rms(gi, wi) < 1e-3, i
+        ref = fmt.exl3_matmul_reference(normed.reshape(1, -1).float(), g.members[i])
+        assert rel_rms(gi.reshape(1, -1), ref) < 2e-3, i
+    _zero_state()
+
+
+def test_normed_chain_then_gated_chain_then_normed_chain(chains):
+    """A Llama layer's three links in a row, as the model runs them: o -> gate/up -> down -> q/k/v."""
+    n, inter = 1024, 2816
+    o = rand_layer(n, n, 4, 11)
+    gu = ops.join_linears([rand_layer(n, inter, 4, 12), rand_layer(n, inter, 4, 13)])
+    down = rand_layer(inter, n, 4, 14)
+    qkv = ops.join_linears([rand_layer(n, c, 4, 15 + i, bias=True) for i, c in enumerate((1024, 256, 256))])
+    w1, w2 = (torch.rand(n, device=DEV) + 0.5).half(), (torch.rand(n, device=DEV) + 0.5).half()
+    a, res = torch.randn(1, 1, n, device=DEV).half(), (torch.randn(1, 1, n, device=DEV) * 4).half()
+
+    def layer(chain_on: bool):
+        ops.CHAIN = chain_on
+        h = ops.PendingNorm(ops.defer_linear(a, o, n), w1, 1e-5, res)
+        mlp = ops.gated_chain(h, gu, down, "silu", n, defer=True) if chain_on else None
+        if mlp is None:
+            gy, uy = ops.exl3_gemm_group(h, gu)
+            mlp = ops.exl3_gemm(gy, down, up=uy)
+        h2 = ops.PendingNorm(mlp, w2, 1e-5, ops.as_sum(h))
+        return ops.exl3_gemm_group(h2, qkv), ops.as_sum(h2)
+
+    got, got_sum = layer(True)
+    want, want_sum = layer(False)
+    ops.CHAIN = True
+    assert rel_rms(got_sum, want_sum) < 3e-3
+    for gi, wi in zip(got, want):
+        assert rel_rms(gi, wi) < 3e-3
+    _zero_state()
+
+
+@pytest.mark.parametrize("heads,kv_heads,slots", [(32, 8, 300), (4, 2, 17), (8, 8, 1000)])
+def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots):
+    """The decode attention kernel writes o_proj's int8 input from its own output bits."""
+    g = torch.Generator(device=DEV).manual_seed(heads + slots)
+    q = torch.randn(1, heads, 1, 128, generator=g, device=DEV).half()
+    k = torch.randn(1, kv_heads, slots, 128, generator=g, device=DEV).half()
+    v = torch.randn(1, kv_heads, slots, 128, generator=g, device=DEV).half()
+    mask = torch.zeros(1, slots, device=DEV).half()
+    mask[0, slots // 2:] = float("-inf")
+    o = rand_layer(heads * 128, 1024, 4, heads, bias=True)
+    out, d = ops.attention_into_chain(q, k, v, mask, 0.088, o, 1000)
+    want_out = ops.decode_attention(q, k, v, mask, 0.088)
+    assert torch.equal(out, want_out)
+    want = ops.exl3_linear(want_out.transpose(1, 2).reshape(1, 1, -1), o, 1000)
+    assert d.shape == want.shape
+    assert rel_rms(ops.as_tensor(d), want) < 5e-4
+    assert ops.attention_into_chain(q.float(), k, v, mask, 0.088, o, 1000) is None  # not the kernel's layout
+    _zero_state()
+
+
+def test_deferred_product_alone_is_the_plain_product(chains):
+    o = rand_layer(1024, 1024, 4, 21, bias=True)
+    a = torch.randn(1, 1, 1024, device=DEV).half()
+    d = ops.defer_linear(a, o, 1000)  # trimmed like exl3_linear
+    assert isinstance(d, ops.Deferred) and d.shape == (1, 1, 1000)
+    assert rel_rms(ops.as_tensor(d), ops.exl3_linear(a, o, 1000)) < 5e-4  # split-k atomics' order apart
+    assert not isinstance(ops.defer_linear(torch.randn(2, 1, 1024, device=DEV).half(), o, 1000), ops.Deferred)
+
+
+def _synth_model(tmp_path):
+    """A small synthetic Llama of head dim 128 (so attention -> o_proj chains too)."""
+    from bench.synth import Shape, write_synth_model
+
+    return write_synth_model(tmp_path / "synth", Shape(512, 1024, 2, 4, 2, 512, 128), 4.0, 6, "mul1", seed=5)
+
+
+@pytest.mark.parametrize("which", ["fixture", "synth"])
+def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkeypatch, which):
+    """Decode steps with chains against the prep-kernel path: the reference's Llama fixture (dims
+    multiples of 128, head dim 64, so every link but attention -> o_proj chains) and a synthetic
+    model of head dim 128 (every link)."""
+    from engine.models import load_model
+    from tests.test_static_cache import decode_logits
+
+    path = ref_fixtures / "exl3" / "llama-4.0bpw-mul1-h6" if which == "fixture" else _synth_model(tmp_path)
+    model = load_model(path, device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    served = {"normed": 0, "gated": 0, "attention": 0}
+    real_normed, real_gated, real_attn = chain.chain_into_group, ops.gated_chain, ops.attention_into_chain
+
+    def counted(kind, real):
+        def run(*args, **kwargs):
+            y = real(*args, **kwargs)
+            served[kind] += y is not None
+            return y
+        return run
+
+    monkeypatch.setattr(chain, "chain_into_group", counted("normed", real_normed))
+    monkeypatch.setattr(ops, "gated_chain", counted("gated", real_gated))
+    monkeypatch.setattr(ops, "attention_into_chain", counted("attention", real_attn))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(ops, "CHAIN", on)
+        runs[on] = decode_logits(model, model.new_static_cache(1, 64), ids, 24)
+        if on:  # 16 steps of 2 layers: o -> gate/up twice and down -> q/k/v once a step; gate/up -> down
+            # and (head dim 128) attention -> o twice
+            assert served == {"normed": 16 * 3, "gated": 16 * 2, "attention": 16 * 2 if which == "synth" else 0}
+    agree = 0
+    for a, b in zip(runs[True], runs[False]):
+        rel = float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+        assert rel < 1e-2
+        agree += int(torch.equal(a.argmax(-1), b.argmax(-1)))
+    assert agree >= len(runs[True]) - 1  # a near tie may flip one
