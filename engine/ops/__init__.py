@@ -6,7 +6,6 @@ The reference paths are the specification the kernels are tested against; they r
 """
 from __future__ import annotations
 
-import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
