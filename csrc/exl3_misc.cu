@@ -175,15 +175,22 @@ int early_trigger_setting() { return early_trigger_flag(); }
 void set_prep_skip(bool enabled) { prep_skip_flag() = enabled; }
 void set_self_prep(bool enabled) { self_prep_flag() = enabled; }
 
+// The most units a warp of a one-group version-3 product takes (the shipped configurations: 8
+// tiles per unit, 2 blocks per SM), and the k rows per unit, kr.
+static long gv_most_units(const MmArgs& a, int& kr) {
+    kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
+    const long units = (long)(a.out / 128) * (a.in / 16 / kr);
+    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
+    return (units + warps - 1) / warps;
+}
+
 bool gemv_chain_fits(const MmArgs& a) {
     if (mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.in % 128 || a.out % 128) return false;
     // The warp with the most units spans at most (units - 1) / rows_kr + 2 column groups (the
     // kernel records up to four finished blocks for their chain output).
-    const int kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
+    int kr;
+    const long most = gv_most_units(a, kr);
     const long rows_kr = a.in / 16 / kr;
-    const long units = (long)(a.out / 128) * rows_kr;
-    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
-    const long most = (units + warps - 1) / warps;
     return (most - 1) / rows_kr + 2 <= 4 && a.out / 128 <= 0xffff;
 }
 
@@ -193,10 +200,8 @@ bool gemv_self_prep(const MmArgs& a) {
         return false;
     // The warp with the most units: its k rows (possibly across one column group's end) touch at
     // most (rows - 1) / 8 + 2 chunks (chunks and groups both start at multiples of 8 rows).
-    const int kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
-    const long units = (long)(a.out / 128) * (a.in / 16 / kr);
-    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
-    const long rows = (units + warps - 1) / warps * kr;
+    int kr;
+    const long rows = gv_most_units(a, kr) * kr;
     return (rows - 1) / 8 + 2 <= kSpSlots;
 }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }

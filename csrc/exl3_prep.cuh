@@ -31,6 +31,20 @@ __device__ __forceinline__ half gated_value(half gh, half u, int act) {
     return __hmul(__float2half_rn(a), u);
 }
 
+// a + b for a lane's 4 fp16 values (the residual add of the norm kernels: one fp16 add each).
+__device__ __forceinline__ uint2 add4(uint2 a, uint2 b) {
+    return make_uint2(as_u32(__hadd2(as_h2(a.x), as_h2(b.x))), as_u32(__hadd2(as_h2(a.y), as_h2(b.y))));
+}
+
+// act(g) * u for a lane's 4 values (gated_value each).
+__device__ __forceinline__ uint2 gated4(uint2 g, uint2 u, int act) {
+    const half2 g0 = as_h2(g.x), g1 = as_h2(g.y), u0 = as_h2(u.x), u1 = as_h2(u.y);
+    return make_uint2(as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), act),
+                                            gated_value(__high2half(g0), __high2half(u0), act))),
+                      as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), act),
+                                            gated_value(__high2half(g1), __high2half(u1), act))));
+}
+
 // A product's input as the prep kernels read it: x itself, or act(x) * up where a gated MLP's
 // down projection takes its activation straight from the gate/up outputs (one launch fewer).
 // Or rms_norm(x (+ residual)) * norm_w, the input of q/k/v and gate/up: each warp takes its
@@ -56,11 +70,7 @@ inline PrepInput prep_input(const half* x, int ldx, const half* up, int ldu, int
 // x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
 __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
     uint2 v = *reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k);
-    if (in.res) {
-        const uint2 rv = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
-        v.x = as_u32(__hadd2(as_h2(v.x), as_h2(rv.x)));
-        v.y = as_u32(__hadd2(as_h2(v.y), as_h2(rv.y)));
-    }
+    if (in.res) v = add4(v, *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k));
     return v;
 }
 
@@ -131,7 +141,7 @@ struct LaneRaw {
     // x + residual where the norm has one (the residual stream), else x.
     __device__ __forceinline__ uint2 sum(const PrepInput& in) const {
         if (!(in.norm_w && in.res)) return x;
-        return make_uint2(as_u32(__hadd2(as_h2(x.x), as_h2(aux.x))), as_u32(__hadd2(as_h2(x.y), as_h2(aux.y))));
+        return add4(x, aux);
     }
 };
 
@@ -144,13 +154,7 @@ __device__ __forceinline__ uint2 lane_input(const PrepInput& in, const LaneRaw& 
         return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
                           as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
     }
-    if (in.up) {
-        const half2 g0 = as_h2(raw.x.x), g1 = as_h2(raw.x.y), u0 = as_h2(raw.aux.x), u1 = as_h2(raw.aux.y);
-        return make_uint2(as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), in.act),
-                                                gated_value(__high2half(g0), __high2half(u0), in.act))),
-                          as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), in.act),
-                                                gated_value(__high2half(g1), __high2half(u1), in.act))));
-    }
+    if (in.up) return gated4(raw.x, raw.aux, in.act);
     return raw.x;
 }
 
@@ -251,8 +255,7 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
 #pragma unroll
     for (int seg = 0; seg < NSEG; ++seg) sv[seg] = __ldg(reinterpret_cast<const uint2*>(nx.suh + (size_t)seg * nx.n + k));
     uint2 h = make_uint2(as_u32(o0), as_u32(o1));
-    if (nx.res)  // the residual add as the norm kernels round it (one fp16 add)
-        h = make_uint2(as_u32(__hadd2(as_h2(h.x), as_h2(rv.x))), as_u32(__hadd2(as_h2(h.y), as_h2(rv.y))));
+    if (nx.res) h = add4(h, rv);
     if (nx.res_out) *reinterpret_cast<uint2*>(nx.res_out + k) = h;
     const float2 a = __half22float2(as_h2(h.x)), b = __half22float2(as_h2(h.y));
     const float hv[4] = {a.x, a.y, b.x, b.y};
@@ -309,13 +312,8 @@ __device__ __forceinline__ void chain_block(const ChainOut& nx, const half* y, h
     const uint2 own = make_uint2(as_u32(o0), as_u32(o1));
     const uint2 g = blk < nch ? own : ov, u = blk < nch ? ov : own;
     // The same bits as the down projection's own prep (lane_input's gated branch, then lane_xh).
-    const half2 g0 = as_h2(g.x), g1 = as_h2(g.y), u0 = as_h2(u.x), u1 = as_h2(u.y);
-    const uint2 xv = make_uint2(as_u32(__halves2half2(gated_value(__low2half(g0), __low2half(u0), nx.act),
-                                                      gated_value(__high2half(g0), __high2half(u0), nx.act))),
-                                as_u32(__halves2half2(gated_value(__low2half(g1), __low2half(u1), nx.act),
-                                                      gated_value(__high2half(g1), __high2half(u1), nx.act))));
     half2 x0, x1;
-    lane_xh(xv, s, lane, x0, x1);
+    lane_xh(gated4(g, u, nx.act), s, lane, x0, x1);
     const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
     store_i8_chunk(nx.xb, nx.scales, nx.csum, 0, j, nch, 1, lane, f);
     if (lane == 0) nx.pairs[j] = 0;

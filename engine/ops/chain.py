@@ -143,22 +143,32 @@ def exl3_gemm_chained(x: "torch.Tensor | PreparedInput", t, chain: ChainOut | No
     wrote it) and the output stage may write `chain` for the next product. [1, out_padded]."""
     if not isinstance(x, PreparedInput):
         return ops.exl3_gemm(x.reshape(1, -1), t, mode="fused", chain=chain)
+    return _product_on_prepared(t, ops._padded_bias(t, t.trellis.shape[1] * 16), [], x, chain)
+
+
+def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: PreparedInput,
+                         chain: ChainOut | None) -> torch.Tensor:
+    """The fused one-row product of t (EXL3Tensors, or an EXL3Group with its seg_cols) on a
+    PreparedInput, its output stage writing `chain` too. [1, out_padded]."""
     in_f, out_f = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16
     device = t.trellis.device
-    ws = ops.workspace(device, out_f)
-    counters = ops.block_counters(device, out_f // 128)
     stand_in = torch.empty(1, in_f, dtype=torch.float16, device=device)  # gives m; never read
-    return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, ops._padded_bias(t, out_f),
-                                     ops.CODEBOOK_IDS[t.codebook], ws, 0, 1, 3, counters, [], None, 0, None, x.eps,
-                                     None, None, x.tensors(), *ops._chain_args(chain))
+    return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook],
+                                     ops.workspace(device, out_f), 0, 1, 3, ops.block_counters(device, out_f // 128),
+                                     seg_cols, None, 0, None, x.eps, None, None, x.tensors(), *ops._chain_args(chain))
+
+
+def _chains_on() -> bool:
+    """Chains are on and the settings they need hold: the glue kernels, the version-3 fused product."""
+    return ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
 
 
 def _takes_prepared(t, in_f: int, device: torch.device) -> bool:
     """Whether a one-row product of `t` can read a PreparedInput: the chain is on, the product
     is the fused MUL1 integer path of the version-3 kernel, on the GPU."""
-    return (ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.INT8_MAX_ROWS >= 1
-            and ops.FUSED_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda and t.trellis.device == device
-            and t.trellis.shape[0] * 16 == in_f and in_f % 128 == 0 and ops._use_cuda(t.suh, t.svh))
+    return (_chains_on() and ops.INT8_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda
+            and t.trellis.device == device and t.trellis.shape[0] * 16 == in_f and in_f % 128 == 0
+            and ops._use_cuda(t.suh, t.svh))
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,8 +189,7 @@ def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Defer
     """ops.exl3_linear(x, t, out_features), or, for one row on the GPU where chains are on, the same
     product not launched yet (a Deferred): its reader may launch it with a chain output."""
     in_f = t.trellis.shape[0] * 16
-    if (ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
-            and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
+    if (_chains_on() and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
             and t.trellis.is_cuda and _writes_chain(t)):
         return Deferred(x, t, out_features, x.dtype, tuple(x.shape[:-1]))
     return ops.exl3_linear(x, t, out_features)
@@ -221,9 +230,4 @@ def chain_into_group(p: "ops.PendingNorm", g: ops.EXL3Group, chain: ChainOut | N
     res_out = None if res is None else torch.empty_like(res)
     y = d.launch(ChainOut.normed(target, g.suh, p.weight, res, res_out))
     p.sum = y if res is None else res_out
-    out_f = g.trellis.shape[1] * 16
-    ext = ops.extension()
-    stand_in = torch.empty(1, in_f, dtype=torch.float16, device=d.device)  # gives m; never read
-    return ext.exl3_gemm(stand_in, g.suh, g.svh, g.trellis, g.bias, ops.CODEBOOK_IDS[g.codebook],
-                         ops.workspace(d.device, out_f), 0, 1, 3, ops.block_counters(d.device, out_f // 128),
-                         g.seg_cols, None, 0, None, target.eps, None, None, target.tensors(), *ops._chain_args(chain))
+    return _product_on_prepared(g, g.bias, g.seg_cols, target, chain)
