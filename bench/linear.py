@@ -157,7 +157,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     fns = {
         "ops_exl3_gemm_us": lambda: ops.exl3_gemm(x, t),
         "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0, 3, cnt, [], None, 0,
-                                                           None, 0.0, None, None),
+                                                           None, 0.0, None, None, [], [], 0, 0),
         "torch_matmul_us": lambda: torch.matmul(x, w),
     }
     res = {}

@@ -539,6 +539,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
+    m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
+          "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
+    m.def("set_gemv_finish_rows", &trellis::set_gemv_finish_rows,
+          "workspace rows a finishing warp reads per round trip: 8 (default) or 1 (row by row, a baseline)");
     m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");

@@ -32,6 +32,15 @@ __device__ __forceinline__ int wrap_word(int w) {
     return w >= 8 * K ? w - 8 * K : w;
 }
 
+// The lane's three words of every tile (wa, wb, wc: lane_window's first word and the two after
+// it, wrapped) and the shift of its window: the per-lane constants of a kernel's tile decodes.
+template <int K>
+__device__ __forceinline__ void lane_words(int lane, int& wa, int& wb, int& wc, int& shift) {
+    lane_window<K>(lane, wa, shift);
+    wb = wrap_word<K>(wa + 1);
+    wc = wrap_word<K>(wa + 2);
+}
+
 // 16-bit state whose window starts Q bits below the top of the 96-bit value (h0:h1:h2).
 template <int Q>
 __device__ __forceinline__ uint32_t state_at(uint32_t h0, uint32_t h1, uint32_t h2) {

@@ -185,9 +185,26 @@ static __device__ __noinline__ void gv_chain_block(const ChainOut* nx, const hal
     chain_block(*nx, y, as_h2(o.x), as_h2(o.y), blk, lane);
 }
 
-// The output transform of one finished 128-column block (see finish_block in the kernel). Not
-// inlined: it runs about once per warp, and inlined its registers would crowd the main loop.
-// ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms (MmArgs::in_part).
+// One row of the output transform: had128 / sqrt(128) (times the chain's 1 / rms), svh, bias.
+__device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __restrict__ yr, uint2 sv, uint2 bv,
+                                              bool has_bias, int lane) {
+    float v[4] = {f.x, f.y, f.z, f.w};
+    wht128_lane4(v, lane);
+    half2 o0 = __floats2half2_rn(v[0] * scale, v[1] * scale);
+    half2 o1 = __floats2half2_rn(v[2] * scale, v[3] * scale);
+    o0 = __hmul2(o0, as_h2(sv.x));
+    o1 = __hmul2(o1, as_h2(sv.y));
+    if (has_bias) {
+        o0 = __hadd2(o0, as_h2(bv.x));
+        o1 = __hadd2(o1, as_h2(bv.y));
+    }
+    *reinterpret_cast<uint2*>(yr) = make_uint2(as_u32(o0), as_u32(o1));
+}
+
+// The output transform of one finished 128-column block (see finish_block in the kernel), a row
+// at a time. Not inlined: it runs about once per warp, and inlined its registers would crowd the
+// main loop. ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms
+// (MmArgs::in_part).
 template <bool CH>
 static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half* __restrict__ y, int ldy,
                                              uint2 sv, uint2 bv, bool has_bias, int m, int out,
@@ -207,19 +224,108 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
         float4* zp = reinterpret_cast<float4*>(z + (size_t)r * out + k);
         const float4 f = __ldcg(zp);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
-        float v[4] = {f.x, f.y, f.z, f.w};
-        wht128_lane4(v, lane);
-        half2 o0 = __floats2half2_rn(v[0] * scale, v[1] * scale);
-        half2 o1 = __floats2half2_rn(v[2] * scale, v[3] * scale);
-        o0 = __hmul2(o0, as_h2(sv.x));
-        o1 = __hmul2(o1, as_h2(sv.y));
-        if (has_bias) {
-            o0 = __hadd2(o0, as_h2(bv.x));
-            o1 = __hadd2(o1, as_h2(bv.y));
-        }
-        *reinterpret_cast<uint2*>(y + (size_t)r * ldy + k) = make_uint2(as_u32(o0), as_u32(o1));
+        gv_finish_row(f, scale, y + (size_t)r * ldy + k, sv, bv, has_bias, lane);
     }
 }
+
+// The same transform with 8 workspace rows per L2 round trip, for blocks whose finish a warp of a
+// many-row product deferred until after its main loop (GvDeferred): there the loop's registers
+// are free for the 8 rows in flight. Row by row, the finishing warps (the grid's tail) waited for
+// one dependent L2 round trip per row: ~10% of a 32-row product (ncu: SM active 90% of elapsed).
+__device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, half* __restrict__ y, int ldy,
+                                                      const half* __restrict__ svh, const half* __restrict__ bias,
+                                                      int m, int out, int blk, int lane) {
+    fence_acq_rel_gpu();
+    const int k = blk * 128 + lane * 4;
+    const uint2 sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
+    const uint2 bv = bias ? __ldg(reinterpret_cast<const uint2*>(bias + k)) : make_uint2(0u, 0u);
+    for (int r0 = 0; r0 < m; r0 += 8) {
+        float4 f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (r0 + j < m) f[j] = __ldcg(reinterpret_cast<const float4*>(z + (size_t)(r0 + j) * out + k));
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (r0 + j < m) __stcg(reinterpret_cast<float4*>(z + (size_t)(r0 + j) * out + k), make_float4(0.f, 0.f, 0.f, 0.f));
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (r0 + j < m) gv_finish_row(f[j], kHadNorm, y + (size_t)(r0 + j) * ldy + k, sv, bv, bias != nullptr, lane);
+    }
+}
+
+// Tile decode of the fp16 path: the lane's 8 states of the tile at word `tile` of shared memory,
+// as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
+template <int K, int CB>
+__device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
+                                              uint32_t v[4]) {
+    uint32_t st[8];
+    gv_states<K>(smem, tile, wa, wb, wc, shift, st);
+    v[0] = decode_pair<CB>(st[0], st[1]);
+    v[1] = decode_pair<CB>(st[2], st[3]);
+    v[2] = decode_pair<CB>(st[4], st[5]);
+    v[3] = decode_pair<CB>(st[6], st[7]);
+}
+
+// fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
+// z. D fragment: c0/c1 = (out col g, rows 2cq, 2cq + 1), c2/c3 = the same for col g + 8.
+template <int NG, int CT>
+__device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float (&acc)[NG][CT][4], int grp, int m,
+                                             int out, int lane) {
+    const int g = lane >> 2, cq = lane & 3;
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) {
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+            const int col = (grp * CT + ct) * 16 + g;
+            const int row = gr * 8 + 2 * cq;
+            if (row < m) {
+                atomicAdd(z + (size_t)row * out + col, acc[gr][ct][0]);
+                atomicAdd(z + (size_t)row * out + col + 8, acc[gr][ct][2]);
+            }
+            if (row + 1 < m) {
+                atomicAdd(z + (size_t)(row + 1) * out + col, acc[gr][ct][1]);
+                atomicAdd(z + (size_t)(row + 1) * out + col + 8, acc[gr][ct][3]);
+            }
+        }
+    }
+}
+
+// A 128-column block's output weights (svh, bias) for the lane's 4 columns. Read before a flush's
+// atomics, so that their DRAM latency overlaps those and the fence.
+__device__ __forceinline__ void gv_block_weights(const half* __restrict__ svh, const half* __restrict__ bias,
+                                                 int blk, int lane, uint2& sv, uint2& bv) {
+    const int k = blk * 128 + lane * 4;
+    sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
+    if (bias) bv = __ldg(reinterpret_cast<const uint2*>(bias + k));
+}
+
+// The completion count of block blk: the warp adds the k rows it did (after its atomics, fenced);
+// true for the warp whose count completes the block's `total`.
+__device__ __forceinline__ bool gv_count_block(int* __restrict__ counters, int blk, int units, int total, int lane) {
+    fence_acq_rel_gpu();  // release: this warp's atomics to z before its count
+    __syncwarp();
+    int prev = 0;
+    if (lane == 0) prev = atomicAdd(counters + blk, units);
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    return prev + units == total;
+}
+
+// Blocks a warp finished and whose output transform it runs after its main loop (up to four,
+// 16-bit indices, newest in the low bits; a fifth is finished at once, row by row).
+struct GvDeferred {
+    uint64_t blocks = 0;
+    int n = 0;
+    __device__ __forceinline__ bool add(int blk) {
+        if (n == 4 || blk > 0xffff) return false;
+        blocks = blocks << 16 | (uint64_t)blk;
+        ++n;
+        return true;
+    }
+    __device__ __forceinline__ void finish(float* z, half* y, int ldy, const half* svh, const half* bias, int m,
+                                           int out, int lane) {
+        for (; n > 0; --n, blocks >>= 16) gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, (int)(blocks & 0xffffu), lane);
+    }
+};
 
 // VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
@@ -233,7 +339,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
-                 int seg_c3, int early_trigger, const __grid_constant__ GvChainArg<CH> chain) {
+                 int seg_c3, int early_trigger, int finish_rows, const __grid_constant__ GvChainArg<CH> chain) {
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
@@ -413,10 +519,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         __syncwarp();
     }
 
-    int wa, shift;
-    lane_window<K>(lane, wa, shift);
-    const int wb = wrap_word<K>(wa + 1);
-    const int wc = wrap_word<K>(wa + 2);
+    int wa, wb, wc, shift;
+    lane_words<K>(lane, wa, wb, wc, shift);
     const int g = lane >> 2;
     const int cq = lane & 3;
 
@@ -506,12 +610,12 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 }
             }
         }
+        if constexpr (PATH == GV_I8) {
 #pragma unroll
-        for (int gr = 0; gr < NG; ++gr) {
+            for (int gr = 0; gr < NG; ++gr) {
 #pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                const int col = (c_grp * CT + ct) * 16 + g;
-                if constexpr (PATH == GV_I8) {
+                for (int ct = 0; ct < CT; ++ct) {
+                    const int col = (c_grp * CT + ct) * 16 + g;
                     // D: c0/c1 = (out col g, row cq pass 1/2), c2/c3 = the same for col g+8.
                     const int row = gr * 4 + cq;
                     if (row < m) {
@@ -519,19 +623,10 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         atomicAdd(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
                         atomicAdd(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
                     }
-                } else {
-                    // D: c0/c1 = (out col g, rows 2cq, 2cq+1), c2/c3 = the same for col g+8.
-                    const int row = gr * 8 + 2 * cq;
-                    if (row < m) {
-                        atomicAdd(z + (size_t)row * out + col, acc[gr][ct][0]);
-                        atomicAdd(z + (size_t)row * out + col + 8, acc[gr][ct][2]);
-                    }
-                    if (row + 1 < m) {
-                        atomicAdd(z + (size_t)(row + 1) * out + col, acc[gr][ct][1]);
-                        atomicAdd(z + (size_t)(row + 1) * out + col + 8, acc[gr][ct][3]);
-                    }
                 }
             }
+        } else {
+            gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
         }
     };
 
@@ -546,17 +641,13 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // indices (the host's check, gemv_chain_fits), newest in the low bits.
     uint64_t chain_blocks = 0;
     int n_chain = 0;
+    GvDeferred deferred;  // fp16 path: blocks finished after the main loop, 8 rows per round trip
     auto finish_block = [&](uint2 sv, uint2 bv) {
-        fence_acq_rel_gpu();  // release: this warp's atomics to z before its count
-        __syncwarp();
         const int blk = (c_grp * CT) >> 3;
-        int prev = 0;
-        if (lane == 0) prev = atomicAdd(counters + blk, seg_units);
-        prev = __shfl_sync(0xffffffffu, prev, 0);
-        if (prev + seg_units != tk * (8 / CT)) return;
+        if (!gv_count_block(counters, blk, seg_units, tk * (8 / CT), lane)) return;
         if constexpr (CH) {
             gv_finish_block<true>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, &chain);
-        } else {
+        } else if (PATH == GV_I8 || finish_rows == 1 || !deferred.add(blk)) {
             gv_finish_block<false>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, nullptr);
         }
         if (lane == 0) counters[blk] = 0;
@@ -632,12 +723,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
                     } else {
-                        uint32_t st[8];
-                        gv_states<K>(gv_smem, tile, wa, wb, wc, shift, st);
-                        v[0] = decode_pair<CB>(st[0], st[1]);
-                        v[1] = decode_pair<CB>(st[2], st[3]);
-                        v[2] = decode_pair<CB>(st[4], st[5]);
-                        v[3] = decode_pair<CB>(st[6], st[7]);
+                        gv_decode_f16<K, CB>(gv_smem, tile, wa, wb, wc, shift, v);
                     }
                     if constexpr (VAR == 2) {
                         acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
@@ -660,11 +746,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             // then take what the finished ones leave, and prefetch during this tail).
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
-            if (y) {
-                const int k = ((c_grp * CT) >> 3) * 128 + lane * 4;
-                sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
-                if (bias) bv = __ldg(reinterpret_cast<const uint2*>(bias + k));
-            }
+            if (y) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
             flush();
             if (y) finish_block(sv, bv);
             if (!last) {
@@ -685,6 +767,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         for (; n_chain > 0; --n_chain, chain_blocks >>= 16)
             gv_chain_block(&chain.next, y, (int)(chain_blocks & 0xffffu), lane);
     }
+    if constexpr (PATH == GV_F16) deferred.finish(z, y, ldy, svh, bias, m, out, lane);
     cp_async_wait<0>();
 }
 
@@ -711,7 +794,8 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                       a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
-                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger, chain_arg<CH>(a));
+                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger, gemv_finish_rows(),
+                      chain_arg<CH>(a));
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is
@@ -762,25 +846,4 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     }
     return launch_gemv_shipped<K, CB, PATH, NG, false>(a, variant == 10, stream);
 }
-// One K: a.scales != null or self prep selects the MUL1 integer path (m <= 8), else the fp16 path
-// (m <= 32).
-template <int K>
-cudaError_t launch_gemv_k(const MmArgs& a, int variant, cudaStream_t stream) {
-    if (a.scales || a.self_prep) {
-        if (a.m <= 4) return launch_gemv_ng<K, CB_MUL1, GV_I8, 1>(a, variant, stream);
-        return launch_gemv_ng<K, CB_MUL1, GV_I8, 2>(a, variant, stream);
-    }
-#define TRELLIS_GV_CASE(CBV)                                                        \
-    if (a.m <= 8) return launch_gemv_ng<K, CBV, GV_F16, 1>(a, variant, stream);     \
-    if (a.m <= 16) return launch_gemv_ng<K, CBV, GV_F16, 2>(a, variant, stream);    \
-    return launch_gemv_ng<K, CBV, GV_F16, 4>(a, variant, stream);
-    switch (a.codebook) {
-        case CB_3INST: TRELLIS_GV_CASE(CB_3INST)
-        case CB_MCG: TRELLIS_GV_CASE(CB_MCG)
-        case CB_MUL1: TRELLIS_GV_CASE(CB_MUL1)
-        default: return cudaErrorInvalidValue;
-    }
-#undef TRELLIS_GV_CASE
-}
-
 }  // namespace trellis

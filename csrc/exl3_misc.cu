@@ -174,6 +174,8 @@ void set_early_trigger(int mode) { early_trigger_flag() = mode >= 0 && mode <= 2
 int early_trigger_setting() { return early_trigger_flag(); }
 void set_prep_skip(bool enabled) { prep_skip_flag() = enabled; }
 void set_self_prep(bool enabled) { self_prep_flag() = enabled; }
+void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
+void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 
 // The most units a warp of a one-group version-3 product takes (the shipped configurations: 8
 // tiles per unit, 2 blocks per SM), and the k rows per unit, kr.

@@ -128,6 +128,19 @@ inline bool& self_prep_flag() {
     return v;
 }
 
+// Which fp16-path products (version 3) take the block-shared activation kernel
+// (exl3_gemv_sa.cuh): 0 none, 1 those it measured faster for (sa_applies), 2 all.
+inline int& gemv_shared_acts() {
+    static int v = 1;
+    return v;
+}
+
+// Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
+inline int& gemv_finish_rows() {
+    static int v = 8;
+    return v;
+}
+
 // Version-3 grid: resident warps (minb blocks of 8 warps per SM), capped so that every warp has
 // at least gemv_min_units() units (8 unless a benchmark sets it).
 inline long gv_blocks(long units, int minb, int num_sms) {
@@ -306,10 +319,8 @@ __global__ void __launch_bounds__(256) exl3_mm_kernel(const half* __restrict__ x
     }
     __syncthreads();
 
-    int wa, shift;
-    lane_window<K>(lane, wa, shift);
-    const int wb = wrap_word<K>(wa + 1);
-    const int wc = wrap_word<K>(wa + 2);
+    int wa, wb, wc, shift;
+    lane_words<K>(lane, wa, wb, wc, shift);
     const int g = lane >> 2;
     const int c2 = (lane & 3) * 2;
 
@@ -436,10 +447,8 @@ __global__ void __launch_bounds__(256) exl3_mm_i8_kernel(const uint32_t* __restr
     }
     __syncthreads();
 
-    int wa, shift;
-    lane_window<K>(lane, wa, shift);
-    const int wb = wrap_word<K>(wa + 1);
-    const int wc = wrap_word<K>(wa + 2);
+    int wa, wb, wc, shift;
+    lane_words<K>(lane, wa, wb, wc, shift);
     const int g = lane >> 2;
     const int cq = lane & 3;
 

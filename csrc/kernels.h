@@ -155,6 +155,12 @@ void set_prep_skip(bool enabled);
 // Whether a decode product (m = 1, MUL1 integer path) preps its own input instead of a prep
 // kernel running before it (default off: measured slower, csrc/PERF_NOTES.md, session 6).
 void set_self_prep(bool enabled);
+// Which fp16-path products take the kernel with block-shared activations (exl3_gemv_sa.cuh):
+// 0 none, 1 (default) where it measured faster (17..32 rows of large layers), 2 all.
+void set_gemv_shared_acts(int mode);
+// Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
+// (default), or 1 (row by row, the earlier order; a benchmark baseline).
+void set_gemv_finish_rows(int rows);
 // Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:
 // the setting is on, no debug variant is set, m = 1 on the integer path, and every warp's k rows
 // fit its chunk slots.

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
+from tests.gpu_layers import capture, rand_layer, rel_rms  # noqa: E402
 
 CODEBOOKS = ["3inst", "mcg", "mul1"]
 DEV = torch.device("cuda")
@@ -22,21 +23,6 @@ DEV = torch.device("cuda")
 @pytest.fixture(scope="module", autouse=True)
 def ext():
     return ops.extension()  # builds once; a build failure fails every test with its message
-
-
-def rand_layer(n_in, n_out, K, cb, seed, bias=False):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    trellis = torch.randint(-32768, 32768, (n_in // 16, n_out // 16, 16 * K), generator=g, device=DEV, dtype=torch.int32).short()
-    suh = (torch.randn(n_in, generator=g, device=DEV) * 0.5).half()
-    svh = (torch.randn(n_out, generator=g, device=DEV) * 0.5).half()
-    b = (torch.randn(n_out, generator=g, device=DEV)).half() if bias else None
-    return fmt.EXL3Tensors(trellis, suh, svh, cb, b)
-
-
-def rel_rms(a, b):
-    a, b = a.float(), b.float()
-    assert torch.isfinite(a).all()
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), CODEBOOKS)))
@@ -196,10 +182,7 @@ def test_gated_act(act):
 def test_cuda_graph_capture_of_product():
     t = rand_layer(1024, 512, 4, "mul1", seed=3)
     x = torch.randn(1, 1024, device=DEV).half()
-    ops.exl3_gemm(x, t)  # warm-up: workspace and extension exist before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = ops.exl3_gemm(x, t)
+    g, y = capture(lambda: ops.exl3_gemm(x, t))
     x.copy_(torch.randn(1, 1024, device=DEV).half())
     g.replay()
     torch.cuda.synchronize()

@@ -17,24 +17,14 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
+from tests import gpu_layers  # noqa: E402
+from tests.gpu_layers import rel_rms  # noqa: E402
 
 DEV = torch.device("cuda")
 
 
 def rand_layer(n_in, n_out, K, seed, bias=False):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    trellis = torch.randint(-32768, 32768, (n_in // 16, n_out // 16, 16 * K), generator=g, device=DEV,
-                            dtype=torch.int32).short()
-    suh = (torch.randn(n_in, generator=g, device=DEV) * 0.5).half()
-    svh = (torch.randn(n_out, generator=g, device=DEV) * 0.5).half()
-    b = torch.randn(n_out, generator=g, device=DEV).half() if bias else None
-    return fmt.EXL3Tensors(trellis, suh, svh, "mul1", b)
-
-
-def rel_rms(a, b):
-    a, b = a.float(), b.float()
-    assert torch.isfinite(a).all()
-    return float((a - b).norm() / b.norm())
+    return gpu_layers.rand_layer(n_in, n_out, K, "mul1", seed, bias)
 
 
 @contextmanager

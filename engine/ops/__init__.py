@@ -86,6 +86,13 @@ def extension():
         # Whether decode products (m = 1, MUL1 integer path) prep their own input instead of a
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
+        # Which fp16-path products read their activations from one copy per block instead of one per
+        # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
+        # of at least 4096 x 14336 weights, 2 all.
+        _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
+        # Workspace rows a product's finishing warp reads per round trip (TRELLIS_FINISH_ROWS=1: row by
+        # row, the earlier order, for a same-run baseline).
+        _ext.set_gemv_finish_rows(int(os.environ.get("TRELLIS_FINISH_ROWS", "8") or 8))
         if _DEFAULT_VARIANT:
             _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
     return _ext

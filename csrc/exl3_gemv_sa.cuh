@@ -1,0 +1,325 @@
+// EXL3 product for batches of up to 32 rows (fp16 path, any codebook) with the activations
+// shared by a block instead of copied into every warp's ring. By default it serves 17..32 rows of
+// large layers (sa_applies); the version-3 kernel (exl3_gemv.cuh) serves the rest.
+//
+// Why: the version-3 kernel streams each unit's k row of activations into the warp's own ring
+// next to its trellis. At 32 rows that k row is 1 KB of fp16 fragments for 2 tiles (256 bytes at
+// K = 4) of trellis: 470 MB of L2 -> shared traffic for a 117 MB layer (8192x28672), and ring
+// space that limits a unit to 2 tiles. Here a block owns one slice of k rows (at most 64 KB of
+// fragments) and copies it into shared memory once; its 8 warps stream only trellis, in units of
+// CT tiles x 2 k rows of that slice, and read their B fragments from the block's copy. Split-k,
+// the atomics into z and the output stage (the warp that completes a 128-column block, here after
+// its main loop) are the version-3 kernel's. Measured (H200, session 8): 8192x28672 at 32 rows
+// 103 us against 125; for small layers the slice copy per block does not pay.
+//
+// Grid: for each segment of a grouped product (a block's activations are one segment's), for
+// each k slice, `seg_blocks[s]` blocks; a block's units are a contiguous range of the slice's
+// (column group, k row pair) list, column group major, cut into 8 equal warp ranges.
+#pragma once
+#include "exl3_gemv.cuh"
+
+namespace trellis {
+
+// CFG 0 (shipped): two k rows per unit (per-unit work paid once per 2 k rows: 103 us instead of
+// 117 for 8192x28672 at 32 rows, csrc/PERF_NOTES.md session 8); benchmark knobs (debug variants
+// 32-34): 1 one k row per unit, 2 four tiles per unit at every NG, 3 both.
+template <int K, int NG, int CFG = 0>
+struct SaShape {
+    static constexpr int CT = NG == 4 || CFG >= 2 ? 4 : 8;      // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int KR = CFG % 2 ? 1 : 2;                  // k rows per unit
+    static constexpr int TW = 8 * K;                            // trellis words per tile
+    static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
+    static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
+    static constexpr int KS = 16384 / BROW;                     // k rows per slice: 64 KB of fragments at most
+    static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
+    static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
+    static constexpr int RING_WORDS = kGvWarps * NS * SW;
+};
+
+// Where each block of the grid works (host-computed, see sa_grid).
+struct SaGrid {
+    int ks = 0;                 // k rows of the largest slice (its shared memory)
+    int nsl = 1;                // k slices, of tk / nsl rows each (rounded either way to whole units)
+    int nseg = 1;               // segments of a grouped product
+    int seg_grp[5] = {};        // first column group of segment s; seg_grp[nseg] = all groups
+    int seg_blocks[4] = {};     // blocks per slice of segment s
+};
+
+template <int K, int CB, int NG, int CFG>
+__global__ void __launch_bounds__(kGvWarps * 32, 2)
+exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict__ trellis,
+                    float* __restrict__ z, int m, int in, int out, half* __restrict__ y, int ldy,
+                    const half* __restrict__ svh, const half* __restrict__ bias, int* __restrict__ counters,
+                    int early_trigger, int finish_rows, const __grid_constant__ SaGrid grid) {
+    using S = SaShape<K, NG, CFG>;
+    constexpr int CT = S::CT, KR = S::KR, TW = S::TW, SW = S::SW, NS = S::NS, BROW = S::BROW;
+    const int ks = grid.ks;
+    extern __shared__ __align__(16) uint32_t sa_smem[];
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int tk = in >> 4;
+    const int tn = out >> 4;
+
+    // This block's segment, k slice and range of units.
+    int bx = blockIdx.x, seg = 0;
+    while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
+    const int nb = grid.seg_blocks[seg];
+    const int slice = bx / nb, bi = bx - slice * nb;
+    // k rows [r0, r0 + nr) in units of KR rows: unit row ur covers k rows r0 + KR ur ..
+    const int tku = tk / KR;
+    const int r0 = KR * (int)((long)tku * slice / grid.nsl);
+    const int nr = KR * (int)((long)tku * (slice + 1) / grid.nsl) - r0;
+    const int nru = nr / KR;
+    const int g_first = grid.seg_grp[seg];
+    const long units = (long)(grid.seg_grp[seg + 1] - g_first) * nru;
+    const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
+    const long u0 = b0 + (b1 - b0) * warp / kGvWarps, u1 = b0 + (b1 - b0) * (warp + 1) / kGvWarps;
+    const int n_units = (int)(u1 - u0);
+
+    const int acts = 0;               // the slice's fragments: nr * BROW words
+    const int ring = ks * BROW + warp * NS * SW;
+    const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
+
+    // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
+    constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
+    const size_t row_step = (size_t)tn * TW;
+    int p_grp = g_first + (int)(u0 / nru);
+    int p_row = r0 + KR * (int)(u0 % nru);
+    int p_slot = 0;
+    const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
+    auto issue = [&](int s) {
+        if (s < n_units) {
+#pragma unroll
+            for (int kr = 0; kr < KR; ++kr) {
+                const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * CT * TW + lane * 4) * 4u;
+#pragma unroll
+                for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                    if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + kr * row_step + c0 * 4);
+                }
+            }
+            p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
+            p_src += KR * row_step;
+            if ((p_row += KR) == r0 + nr) {
+                p_row = r0;
+                ++p_grp;
+                p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
+            }
+        }
+        cp_async_commit();
+    };
+
+    // Prologue: the trellis (a weight) first, then, once the prep before this kernel is done,
+    // the slice's activations by the whole block; every warp waits for all of it.
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) issue(s);
+    if (early_trigger == 1) pdl_launch_dependents();
+    pdl_wait_primary();
+    {
+        const uint32_t* src = xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
+        for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(dst + c * 16, src + c * 4);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (n_units <= 0) return;
+
+    int wa, wb, wc, shift;
+    lane_words<K>(lane, wa, wb, wc, shift);
+    bool has_b[NG];  // the lane's B column (row lane / 4 of each group of 8) is a real row
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
+
+    int c_grp = g_first + (int)(u0 / nru);
+    int c_row = r0 + KR * (int)(u0 % nru);
+    int c_slot = 0;
+    int seg_units = 0;  // k rows of the current column group done by this warp
+    float acc[NG][CT][4];
+    auto zero_acc = [&]() {
+#pragma unroll
+        for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[gr][ct][q] = 0.f;
+    };
+    // The version-3 completion protocol: count this warp's k rows of the 128-column block; the
+    // warp that completes it applies the output transform, after its main loop (deferred).
+    GvDeferred deferred;
+    auto finish_block = [&](uint2 sv, uint2 bv) {
+        const int blk = (c_grp * CT) >> 3;
+        if (!gv_count_block(counters, blk, seg_units, tk * (8 / CT), lane)) return;
+        if (finish_rows == 1 || !deferred.add(blk))
+            gv_finish_block<false>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, nullptr);
+        if (lane == 0) counters[blk] = 0;
+    };
+
+    zero_acc();
+    for (int s = 0; s < n_units; ++s) {
+        cp_async_wait<NS - 2>();
+        __syncwarp();
+        issue(s + NS - 1);
+        const int stage = ring + c_slot * SW;
+        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+#pragma unroll
+        for (int kr = 0; kr < KR; ++kr) {
+            const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
+            uint2 b[NG];
+#pragma unroll
+            for (int gr = 0; gr < NG; ++gr)
+                b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(sa_smem + ab + gr * 64) : make_uint2(0u, 0u);
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct) {
+                uint32_t v[4];
+                gv_decode_f16<K, CB>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+            }
+        }
+        seg_units += KR;
+        const bool last = s + 1 == n_units;
+        if ((c_row += KR) == r0 + nr || last) {
+            if (last && early_trigger == 2) pdl_launch_dependents();
+            uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
+            if (y) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+            gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+            if (y) finish_block(sv, bv);
+            if (!last) {
+                zero_acc();
+                c_row = r0;
+                ++c_grp;
+                seg_units = 0;
+            }
+        }
+    }
+    deferred.finish(z, y, ldy, svh, bias, m, out, lane);
+    cp_async_wait<0>();
+}
+
+// Shared memory a block may opt into on the current device (99 KB on sm_86/89, 227 KB on sm_90).
+inline int sa_smem_optin() {
+    static int bytes[64] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (!bytes[dev] && cudaDeviceGetAttribute(&bytes[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        return 0;
+    return bytes[dev];
+}
+
+// k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short
+// (0: too little for the kernel to pay).
+template <int K, int NG, int CFG = 0>
+int sa_slice_rows(int tk) {
+    using S = SaShape<K, NG, CFG>;
+    const int fit = (sa_smem_optin() / 4 - S::RING_WORDS) / S::BROW;
+    const int ks = fit < S::KS ? fit : S::KS;
+    return ks < 16 ? 0 : (ks < tk ? ks : tk);
+}
+
+// The slices: as few as shared memory allows, but enough that a block has about 8 column groups
+// (its slice copy then costs an eighth of the trellis it serves; a small layer otherwise copies
+// a 64-row slice into every block for one group), and slices of equal size. Then blocks per
+// slice for each segment: about two blocks per SM in all, in proportion to the segment's
+// columns, with at least gemv_min_units() units per warp.
+template <int K, int NG, int CFG = 0>
+SaGrid sa_grid(const MmArgs& a) {
+    using S = SaShape<K, NG, CFG>;
+    SaGrid gd;
+    const int tk = a.in / 16, tku = tk / S::KR;
+    const int groups = a.out / 16 / S::CT;
+    const long target = 2L * (a.num_sms > 0 ? a.num_sms : 132);
+    const int ksu_fit = sa_slice_rows<K, NG, CFG>(tk) / S::KR;
+    long nsl = (target * 8 + groups - 1) / groups;
+    if (nsl > tk / 8) nsl = tk / 8;
+    if (nsl < (tku + ksu_fit - 1) / ksu_fit) nsl = (tku + ksu_fit - 1) / ksu_fit;
+    gd.nsl = (int)nsl;
+    gd.ks = S::KR * (int)((tku + nsl - 1) / nsl);  // slice s: units [tku s / nsl, tku (s + 1) / nsl)
+    const int cols[5] = {0, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], 0x7fffffff};
+    gd.nseg = 0;
+    for (int s = 0; s < 4 && cols[s] < a.out; ++s) {
+        gd.seg_grp[s] = cols[s] / 16 / S::CT;
+        gd.nseg = s + 1;
+    }
+    gd.seg_grp[gd.nseg] = groups;
+    const int rows = gd.ks;
+    for (int s = 0; s < gd.nseg; ++s) {
+        const long gs = gd.seg_grp[s + 1] - gd.seg_grp[s];
+        long nb = (target * gs + (long)groups * gd.nsl / 2) / ((long)groups * gd.nsl);
+        const long by_units = gs * (rows / S::KR) / (8L * gemv_min_units());
+        if (nb > by_units) nb = by_units;
+        gd.seg_blocks[s] = (int)(nb > 0 ? nb : 1);
+    }
+    return gd;
+}
+
+// Whether the block-shared kernel serves this fp16-path product. gemv_shared_acts setting: 0
+// never; 1 (default) where it measured faster on the H200 (session 8): 17..32 rows (four fragment
+// groups) of layers of at least 4096 x 14336 weights (8192x28672: 103 against 125 us; 14336x4096:
+// 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
+// the slice copy; 9..16 rows: within 4% either way, so the per-warp kernel stays); 2 always.
+// Debug variants 30 and 32-34 force it on, 31 and the other variants (probes and configurations
+// of the version-3 kernel) off. Segment starts must fall on its column groups.
+template <int K, int NG>
+bool sa_applies(const MmArgs& a, int variant) {
+    if (variant != 0 && (variant < 30 || variant > 34 || variant == 31)) return false;
+    const int mode = variant ? 2 : gemv_shared_acts();
+    if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
+    if (mode == 1 && (NG != 4 || (long)a.in * a.out < 4096L * 14336)) return false;
+    for (int s = 0; s < 3; ++s)
+        if (a.seg_cols[s] < a.out && a.seg_cols[s] % 128) return false;
+    return true;
+}
+
+template <int K, int CB, int NG, int CFG = 0>
+cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
+    using S = SaShape<K, NG, CFG>;
+    if (sa_slice_rows<K, NG, CFG>(a.in / 16) < S::KR) return cudaErrorInvalidValue;
+    const SaGrid gd = sa_grid<K, NG, CFG>(a);
+    long blocks = 0;
+    for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
+    const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS) * 4;
+    auto kern = exl3_gemv_sa_kernel<K, CB, NG, CFG>;
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, a.xb, a.trellis,
+                      a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters, a.early_trigger,
+                      gemv_finish_rows(), gd);
+}
+
+// The fp16 path of the version-3 product for one K, codebook and group count.
+template <int K, int CB, int NG>
+cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
+    if (sa_applies<K, NG>(a, variant)) {
+        if constexpr (K == 4 && CB == CB_MUL1) {  // the benchmark configurations
+            if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
+            if (variant == 33) return launch_gemv_sa<K, CB, NG, 2>(a, stream);
+            if (variant == 34) return launch_gemv_sa<K, CB, NG, 3>(a, stream);
+        }
+        return launch_gemv_sa<K, CB, NG>(a, stream);
+    }
+    return launch_gemv_ng<K, CB, GV_F16, NG>(a, variant == 31 ? 0 : variant, stream);
+}
+
+// One K: a.scales != null or self prep selects the MUL1 integer path (m <= 8), else the fp16 path
+// (m <= 32).
+template <int K>
+cudaError_t launch_gemv_k(const MmArgs& a, int variant, cudaStream_t stream) {
+    if (a.scales || a.self_prep) {
+        if (a.m <= 4) return launch_gemv_ng<K, CB_MUL1, GV_I8, 1>(a, variant, stream);
+        return launch_gemv_ng<K, CB_MUL1, GV_I8, 2>(a, variant, stream);
+    }
+#define TRELLIS_GV_CASE(CBV)                                                        \
+    if (a.m <= 8) return launch_gemv_f16<K, CBV, 1>(a, variant, stream);            \
+    if (a.m <= 16) return launch_gemv_f16<K, CBV, 2>(a, variant, stream);           \
+    return launch_gemv_f16<K, CBV, 4>(a, variant, stream);
+    switch (a.codebook) {
+        case CB_3INST: TRELLIS_GV_CASE(CB_3INST)
+        case CB_MCG: TRELLIS_GV_CASE(CB_MCG)
+        case CB_MUL1: TRELLIS_GV_CASE(CB_MUL1)
+        default: return cudaErrorInvalidValue;
+    }
+#undef TRELLIS_GV_CASE
+}
+
+}  // namespace trellis

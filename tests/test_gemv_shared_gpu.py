@@ -1,0 +1,151 @@
+"""The product kernel with block-shared activations (csrc/exl3_gemv_sa.cuh) against the torch
+reference and against the per-warp version-3 kernel, which it replaces for 17..32 rows of large
+layers, and the deferred finish of many-row products (pytest -m gpu)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine import ops  # noqa: E402
+from engine.formats import exl3 as fmt  # noqa: E402
+from tests.gpu_layers import DEV, capture, rand_layer, rel_rms  # noqa: E402
+
+# debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
+# configurations (one k row per unit, four tiles per unit, both)
+SHARED, PER_WARP = 30, 31
+BENCH_CONFIGS = (32, 33, 34)
+
+
+def workspaces_zero():
+    return all(float(w.abs().max()) == 0.0 for w in ops._workspaces.values())
+
+
+@pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))
+def test_shared_kernel_matches_reference_for_every_row_group(K, cb):
+    """Rows 1..32 (one, two and four fragment groups) with a bias, on a shape with several k
+    slices and uneven block ranges: the reference's product, and the per-warp kernel's up to
+    fp32 summation order; the benchmark configurations too (K = 4 MUL1 builds them, the others
+    run the shipped one)."""
+    t = rand_layer(1536, 640, K, cb, seed=500 + K, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, cb)
+    for rows in (1, 7, 8, 9, 17, 32):
+        x = torch.randn(rows, 1536, device=DEV).half()
+        want = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        with ops.debug_variant(SHARED):
+            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        with ops.debug_variant(PER_WARP):
+            y_old = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        for variant in BENCH_CONFIGS:
+            with ops.debug_variant(variant):
+                y_cfg = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            assert rel_rms(y_cfg, want) < 2e-3, (rows, variant)
+        assert y.shape == (rows, 640)
+        assert rel_rms(y, want) < 2e-3, (rows, rel_rms(y, want))
+        assert rel_rms(y, y_old) < 1e-3, rows
+    assert workspaces_zero()
+
+
+def _kernels_run(fn) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "gemv" in e.name}
+
+
+def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
+    """Where it measured faster (17..32 rows of layers of at least 4096 x 14336 weights) the
+    default dispatch launches the block-shared kernel, elsewhere the per-warp one."""
+    big = rand_layer(4096, 14336, 4, "mul1", seed=7)
+    small = rand_layer(4096, 4096, 4, "mul1", seed=8)
+    for t, rows, shared in ((big, 32, True), (big, 17, True), (big, 16, False), (big, 8, False), (small, 32, False)):
+        x = torch.randn(rows, t.trellis.shape[0] * 16, device=DEV).half()
+        names = _kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+        assert any("gemv_sa" in n for n in names) == shared, (rows, t.trellis.shape, names)
+        assert any("gemv_sa" not in n for n in names) != shared, (rows, names)
+
+
+@pytest.mark.parametrize("n_in,n_out", [(128, 128), (4096, 256), (384, 4096), (14336, 512), (8192, 2048)])
+def test_shared_kernel_odd_and_lopsided_shapes(n_in, n_out):
+    """One k row group only, a 14,336-wide input (k slices of uneven row counts), few columns
+    (many slices, few blocks each), more columns than inputs."""
+    t = rand_layer(n_in, n_out, 3, "mcg", seed=n_in + n_out)
+    for rows in (9, 32):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        x[:, 5] = 25.0
+        with ops.debug_variant(SHARED):
+            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, rows
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "3inst"), (5, "mcg"), (8, "mul1")])
+def test_shared_kernel_grouped_members(K, cb):
+    """A grouped product (q/k/v-like members of unequal widths): each block reads one member's
+    activations, so every member matches its own reference product, at every row group and for
+    grids with few and many units per warp."""
+    outs = (384, 128, 256)
+    members = [rand_layer(1024, n, K, cb, seed=700 + 10 * K + i, bias=(i == 2)) for i, n in enumerate(outs)]
+    wants_w = [fmt.reconstruct(t.trellis, cb) for t in members]
+    g = ops.join_linears(members)
+    try:
+        for min_units, rows in itertools.product((8, 2), (5, 16, 32)):
+            ops.extension().set_gemv_min_units(min_units)
+            x = torch.randn(rows, 1024, device=DEV).half()
+            with ops.debug_variant(SHARED):
+                got = ops.exl3_gemm_group(x, g, int8=False)
+            for t, w, y in zip(members, wants_w, got):
+                assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, (min_units, rows, t.out_features)
+    finally:
+        ops.extension().set_gemv_min_units(8)
+    assert workspaces_zero()
+
+
+def test_shared_kernel_in_a_captured_graph():
+    """A captured 32-row product replays on new input (the grid and slice layout are fixed at
+    capture; the workspace and counters are left zeroed for the next replay)."""
+    t = rand_layer(4096, 1536, 4, "mul1", seed=3)
+    x = torch.randn(32, 4096, device=DEV).half()
+    graph, y = capture(lambda: ops.exl3_gemm(x, t))
+    for seed in range(2):
+        x.copy_(torch.randn(32, 4096, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
+
+
+@pytest.mark.parametrize("variant", [SHARED, PER_WARP])
+def test_deferred_finish_matches_row_by_row(variant):
+    """Many-row products finish their 128-column blocks after the main loop, 8 workspace rows per
+    round trip; a warp with more than four such blocks finishes the rest at once, row by row
+    (one 8-warp block over 8192 columns of a 128-wide input: eight blocks per warp). Both orders
+    give the reference's product and leave the workspace zeroed."""
+    ext = ops.extension()
+    for n_in, n_out, min_units in ((1024, 1536, 8), (128, 8192, 512)):
+        t = rand_layer(n_in, n_out, 4, "3inst", seed=n_out, bias=True)
+        for rows in (2, 17, 32):
+            x = torch.randn(rows, n_in, device=DEV).half()
+            want = fmt.exl3_matmul_reference(x.float(), t)
+            got = []
+            try:
+                ext.set_gemv_min_units(min_units)
+                for finish_rows in (8, 1):
+                    ext.set_gemv_finish_rows(finish_rows)
+                    with ops.debug_variant(variant):
+                        got.append(ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+            finally:
+                ext.set_gemv_finish_rows(8)
+                ext.set_gemv_min_units(8)
+            for y in got:
+                assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows)
+            # the same sums, added by atomics in whatever order the warps reach them
+            assert rel_rms(got[0], got[1]) < 1e-3
+    assert workspaces_zero()
