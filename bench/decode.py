@@ -29,6 +29,7 @@ Prints one JSON line per (path, context).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -66,44 +67,45 @@ def load(model_dir: Path, path: str):
     return model, time.time() - t0
 
 
-def decode_eager(model, context: int, tokens: int) -> float:
-    """Tokens/s of the model's own forward with its KV cache (one token per forward)."""
-    cache = model.new_cache(1, context + tokens + 8)
-    return _timed_decode(lambda ids: model(ids, cache), cache, context, tokens)
+def decode_eager(model, context: int, tokens: int, batch: int = 1) -> float:
+    """Tokens/s of the model's own forward with its KV cache (one token per sequence per forward)."""
+    cache = model.new_cache(batch, context + tokens + 8)
+    return _timed_decode(lambda ids: model(ids, cache), cache, context, tokens, batch)
 
 
-def decode_graph(model, context: int, tokens: int) -> float:
+def decode_graph(model, context: int, tokens: int, batch: int = 1) -> float:
     """Tokens/s of the engine's CUDA-graph decode (engine.generate.graph_decode), as generate() runs it."""
     from engine.generate.graph_decode import GraphDecoder
 
     decoder = GraphDecoder(model)  # directly, whatever TRELLIS_CUDA_GRAPHS says
-    cache = decoder.new_cache(1, context + tokens + 8)
-    tps = _timed_decode(decoder.step, cache, context, tokens)
+    cache = decoder.new_cache(batch, context + tokens + 8)
+    tps = _timed_decode(decoder.step, cache, context, tokens, batch)
     if decoder.disabled:  # it fell back to eager steps: that is not this path's number
         raise RuntimeError(f"capture failed: {decoder.disabled}")
     return tps
 
 
-def _timed_decode(step, cache, context: int, tokens: int) -> float:
+def _timed_decode(step, cache, context: int, tokens: int, batch: int = 1) -> float:
+    """Tokens/s over all `batch` sequences (each step adds one token to each)."""
     if context:
         cache.advance(context)  # the cache content does not change the work done
-    ids = torch.ones(1, 1, dtype=torch.long, device=cache.device)
+    ids = torch.ones(batch, 1, dtype=torch.long, device=cache.device)
     with torch.inference_mode():
         for _ in range(3):
             ids = step(ids)[:, -1].argmax(-1, keepdim=True)
-            int(ids)
+            int(ids[0, 0])
         cache.truncate(context)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(tokens):
             ids = step(ids)[:, -1].argmax(-1, keepdim=True)
-            int(ids)  # host sync per token, like the reference's loop
+            int(ids[0, 0])  # host sync per step, like the reference's loop
         dt = time.perf_counter() - t0
-    return tokens / dt
+    return batch * tokens / dt
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="batch-1 decode tokens/s on a synthetic EXL3 model")
+    ap = argparse.ArgumentParser(description="decode tokens/s on a synthetic EXL3 model (batch 1 unless --batch)")
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--codebook", default="mul1")
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
                          "before every product)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch", nargs="+", type=int, default=[1],
+                    help="sequences decoded together (tokens_per_s counts all of them)")
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
     ap.add_argument("--breakdown", action="store_true",
                     help="cuda-graph path: GPU kernels per token, their summed time against the wall time, top kernels")
@@ -157,14 +161,18 @@ def main(argv=None) -> int:
             ops.extension().set_prep_skip(path == "cuda-graph-noprep")
             ops.extension().set_self_prep(
                 {"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}.get(path, self_prep_default))
-        for ctx in args.contexts:
+        for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
-                tps = decode_graph(model, ctx, args.tokens) if graph else decode_eager(model, ctx, args.tokens)
+                run = decode_graph if graph else decode_eager
+                tps = run(model, ctx, args.tokens, batch)
                 row = {"bench": "decode", "shape": args.shape, "bits": args.bits, "path": path, "context": ctx,
                        "tokens_per_s": round(tps, 1), "load_s": round(load_s, 1),
                        "gpu_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+                if batch != 1:
+                    row["batch"] = batch
             except Exception as e:  # report and go on: one failing path must not hide the others
-                row = {"bench": "decode", "path": path, "context": ctx, "error": f"{type(e).__name__}: {e}"[:300]}
+                row = {"bench": "decode", "path": path, "context": ctx, "batch": batch,
+                       "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
         if args.profile and not graph:
             profile_eager(model, path)

@@ -257,7 +257,8 @@ SaGrid sa_grid(const MmArgs& a) {
 // never; 1 (default) where it measured faster on the H200 (session 8): 17..32 rows (four fragment
 // groups) of layers of at least 4096 x 14336 weights (8192x28672: 103 against 125 us; 14336x4096:
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
-// the slice copy; 9..16 rows: within 4% either way, so the per-warp kernel stays); 2 always.
+// the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
+// 14336x4096, so the per-warp kernel stays); 2 always.
 // Debug variants 30 and 32-34 force it on, 31 and the other variants (probes and configurations
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
