@@ -5,7 +5,8 @@
 # decode with the attention kernel and with SDPA, self prep, decode chains and without preps (a probe), each
 # with the trigger at the products' tail (default) and at their start, the previous version's
 # decode, a kernel breakdown and ncu of the int8 product. QUICK=1 leaves out the K sweep, graph
-# timing, prefill, the breakdown and ncu (a validation call on little device time). VARS adds
+# timing, prefill, the breakdown, ncu and the many-row products (8-32 rows per layer, batched
+# decode) (a validation call on little device time). VARS adds
 # gv_tune configurations (10 + CFG) to the per-layer and decode runs.
 # Logs land in $OUT/log.txt.
 VARS=${VARS:-"0 10"}
@@ -15,6 +16,9 @@ timeout 120 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 --paths fuse
 echo "== linear, fp16 path $(( $(date +%s)-t0 ))s" | tee -a $L
 TRELLIS_INT8=0 timeout 150 python3 -m bench.linear --shapes 8192x28672 --K 4 --m 1 8 32 --paths fused --cache cold --calls 100 --warmup 10 --variants $VARS 2>&1 | grep tune | tee $OUT/tune_f16.jsonl | python3 -c "$SUM" | tee -a $L
 [ -n "$QUICK" ] || timeout 60 python3 -m bench.linear --shapes 8192x28672 --K 2 3 5 --m 1 --paths fused --cache cold --calls 100 --warmup 10 2>&1 | grep '"us"' | python3 -c "$SUM" | tee -a $L
+echo "== many rows: graph timing, default / per-warp kernel only (31) / block-shared kernel everywhere (30) $(( $(date +%s)-t0 ))s" | tee -a $L
+[ -n "$QUICK" ] || timeout 150 python3 -m bench.linear --timing graph --shapes 8192x28672 4096x14336 14336x4096 4096x4096 --K 4 --m 8 16 32 --paths fused --cache cold --calls 50 --warmup 5 --variants 0 31 30 2>&1 | grep tune | python3 -c "$SUM" | tee -a $L
+[ -n "$QUICK" ] || timeout 120 python3 -m bench.decode --paths cuda-graph --contexts 0 --tokens 64 --batch 8 16 32 2>&1 | grep tokens_per_s | cut -c1-200 | sed "s/^/batched /" | tee -a $L
 echo "== graph-replay timing, this version then the previous one $(( $(date +%s)-t0 ))s" | tee -a $L
 GR="--timing graph --shapes 4096x4096 4096x14336 14336x4096 8192x28672 --K 4 --m 1 --paths fused --cache cold --calls 50 --warmup 5"
 [ -n "$QUICK" ] || timeout 60 python3 -m bench.linear $GR 2>&1 | grep '"us"' | python3 -c "$SUM" | sed "s/^/graph now /" | tee -a $L
