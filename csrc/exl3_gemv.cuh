@@ -185,6 +185,15 @@ static __device__ __noinline__ void gv_chain_block(const ChainOut* nx, const hal
     chain_block(*nx, y, as_h2(o.x), as_h2(o.y), blk, lane);
 }
 
+// A 128-column block's output weights (svh, bias) for the lane's 4 columns. Read before a flush's
+// atomics, so that their DRAM latency overlaps those and the fence.
+__device__ __forceinline__ void gv_block_weights(const half* __restrict__ svh, const half* __restrict__ bias,
+                                                 int blk, int lane, uint2& sv, uint2& bv) {
+    const int k = blk * 128 + lane * 4;
+    sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
+    if (bias) bv = __ldg(reinterpret_cast<const uint2*>(bias + k));
+}
+
 // One row of the output transform: had128 / sqrt(128) (times the chain's 1 / rms), svh, bias.
 __device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __restrict__ yr, uint2 sv, uint2 bv,
                                               bool has_bias, int lane) {
@@ -229,7 +238,7 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
 }
 
 // The same transform with 8 workspace rows per L2 round trip, for blocks whose finish a warp of a
-// many-row product deferred until after its main loop (GvDeferred): there the loop's registers
+// many-row product deferred until after its main loop (GvBlockList): there the loop's registers
 // are free for the 8 rows in flight. Row by row, the finishing warps (the grid's tail) waited for
 // one dependent L2 round trip per row: ~10% of a 32-row product (ncu: SM active 90% of elapsed).
 __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, half* __restrict__ y, int ldy,
@@ -237,8 +246,8 @@ __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, hal
                                                       int m, int out, int blk, int lane) {
     fence_acq_rel_gpu();
     const int k = blk * 128 + lane * 4;
-    const uint2 sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
-    const uint2 bv = bias ? __ldg(reinterpret_cast<const uint2*>(bias + k)) : make_uint2(0u, 0u);
+    uint2 sv, bv = make_uint2(0u, 0u);
+    gv_block_weights(svh, bias, blk, lane, sv, bv);
     for (int r0 = 0; r0 < m; r0 += 8) {
         float4 f[8];
 #pragma unroll
@@ -290,15 +299,6 @@ __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float 
     }
 }
 
-// A 128-column block's output weights (svh, bias) for the lane's 4 columns. Read before a flush's
-// atomics, so that their DRAM latency overlaps those and the fence.
-__device__ __forceinline__ void gv_block_weights(const half* __restrict__ svh, const half* __restrict__ bias,
-                                                 int blk, int lane, uint2& sv, uint2& bv) {
-    const int k = blk * 128 + lane * 4;
-    sv = __ldg(reinterpret_cast<const uint2*>(svh + k));
-    if (bias) bv = __ldg(reinterpret_cast<const uint2*>(bias + k));
-}
-
 // The completion count of block blk: the warp adds the k rows it did (after its atomics, fenced);
 // true for the warp whose count completes the block's `total`.
 __device__ __forceinline__ bool gv_count_block(int* __restrict__ counters, int blk, int units, int total, int lane) {
@@ -310,9 +310,12 @@ __device__ __forceinline__ bool gv_count_block(int* __restrict__ counters, int b
     return prev + units == total;
 }
 
-// Blocks a warp finished and whose output transform it runs after its main loop (up to four,
-// 16-bit indices, newest in the low bits; a fifth is finished at once, row by row).
-struct GvDeferred {
+// Finished 128-column blocks whose remaining work a warp runs after its main loop, where the
+// loop's registers are free: a many-row product's output transform (8 rows per round trip), a
+// decode chain's output. Up to four 16-bit block indices, newest in the low bits; add() refuses a
+// fifth (the output transform then runs at once, row by row; chains never need one, the host's
+// gemv_chain_fits makes sure).
+struct GvBlockList {
     uint64_t blocks = 0;
     int n = 0;
     __device__ __forceinline__ bool add(int blk) {
@@ -321,9 +324,9 @@ struct GvDeferred {
         ++n;
         return true;
     }
-    __device__ __forceinline__ void finish(float* z, half* y, int ldy, const half* svh, const half* bias, int m,
-                                           int out, int lane) {
-        for (; n > 0; --n, blocks >>= 16) gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, (int)(blocks & 0xffffu), lane);
+    template <typename F>
+    __device__ __forceinline__ void drain(F&& f) {
+        for (; n > 0; --n, blocks >>= 16) f((int)(blocks & 0xffffu));
     }
 };
 
@@ -637,11 +640,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // through L2 (__ldcg) after the count shows every contribution.
     // The block's output scales and bias (weights) are read before the flush's atomics, so their
     // DRAM latency overlaps those and the fence instead of following the completion count.
-    // Blocks this warp finished whose chain output is still to write: up to four 16-bit block
-    // indices (the host's check, gemv_chain_fits), newest in the low bits.
-    uint64_t chain_blocks = 0;
-    int n_chain = 0;
-    GvDeferred deferred;  // fp16 path: blocks finished after the main loop, 8 rows per round trip
+    GvBlockList chained;   // blocks whose chain output is still to write (gv_chain_block)
+    GvBlockList deferred;  // fp16 path: blocks whose output transform runs after the main loop
     auto finish_block = [&](uint2 sv, uint2 bv) {
         const int blk = (c_grp * CT) >> 3;
         if (!gv_count_block(counters, blk, seg_units, tk * (8 / CT), lane)) return;
@@ -652,10 +652,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         }
         if (lane == 0) counters[blk] = 0;
         if constexpr (CH) {
-            if (chain.next.mode) {  // its chain output after the main loop (gv_chain_block)
-                chain_blocks = chain_blocks << 16 | (uint64_t)blk;
-                ++n_chain;
-            }
+            if (chain.next.mode) chained.add(blk);  // its chain output after the main loop
         }
     };
 
@@ -763,11 +760,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             load_scales();
         }
     }
-    if constexpr (CH) {
-        for (; n_chain > 0; --n_chain, chain_blocks >>= 16)
-            gv_chain_block(&chain.next, y, (int)(chain_blocks & 0xffffu), lane);
-    }
-    if constexpr (PATH == GV_F16) deferred.finish(z, y, ldy, svh, bias, m, out, lane);
+    if constexpr (CH) chained.drain([&](int blk) { gv_chain_block(&chain.next, y, blk, lane); });
+    if constexpr (PATH == GV_F16)
+        deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     cp_async_wait<0>();
 }
 

@@ -146,7 +146,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     };
     // The version-3 completion protocol: count this warp's k rows of the 128-column block; the
     // warp that completes it applies the output transform, after its main loop (deferred).
-    GvDeferred deferred;
+    GvBlockList deferred;
     auto finish_block = [&](uint2 sv, uint2 bv) {
         const int blk = (c_grp * CT) >> 3;
         if (!gv_count_block(counters, blk, seg_units, tk * (8 / CT), lane)) return;
@@ -193,26 +193,16 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             }
         }
     }
-    deferred.finish(z, y, ldy, svh, bias, m, out, lane);
+    deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     cp_async_wait<0>();
 }
 
-// Shared memory a block may opt into on the current device (99 KB on sm_86/89, 227 KB on sm_90).
-inline int sa_smem_optin() {
-    static int bytes[64] = {};
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-    if (!bytes[dev] && cudaDeviceGetAttribute(&bytes[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-        return 0;
-    return bytes[dev];
-}
-
-// k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short
-// (0: too little for the kernel to pay).
+// k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
+// block may opt into 99 KB on sm_86/89, 227 KB on sm_90; 0: too little for the kernel to pay).
 template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
-    const int fit = (sa_smem_optin() / 4 - S::RING_WORDS) / S::BROW;
+    const int fit = (current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() / 4 - S::RING_WORDS) / S::BROW;
     const int ks = fit < S::KS ? fit : S::KS;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
 }

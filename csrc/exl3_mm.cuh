@@ -189,12 +189,7 @@ __device__ __forceinline__ void pdl_wait_primary() {
 // weights before), so it reads its inputs only once they are complete and writes nothing the
 // previous kernel may still read.
 inline bool glue_pdl() {
-    static int major[64] = {};
-    int dev = 0;
-    if (!pdl_flag() || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-    if (!major[dev] && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        return false;
-    return major[dev] >= 9;
+    return pdl_flag() && current_device_attr<cudaDevAttrComputeCapabilityMajor>() >= 9;
 }
 
 // The fences around a completion count (the product's output stage, decode attention's merge):

@@ -376,14 +376,6 @@ viterbi_kernel(const float* __restrict__ targets, int n_tiles, const half* __res
     }
 }
 
-// Shared memory a block may use on the current device (0 if it cannot be queried).
-int smem_optin() {
-    int dev = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
-    return bytes;
-}
-
 // Static shared memory of the kernel (s_w2 and the argmin slots), with room to spare.
 constexpr int kStaticSmem = 2048;
 
@@ -392,7 +384,7 @@ constexpr int kStaticSmem = 2048;
 template <int K>
 bool global_costs() {
     if constexpr (K == 1) return true;
-    if constexpr (K == 2) return Geo<K, false>::SMEM_BYTES + kStaticSmem > smem_optin();
+    if constexpr (K == 2) return Geo<K, false>::SMEM_BYTES + kStaticSmem > current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
     return false;
 }
 

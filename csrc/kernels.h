@@ -8,6 +8,17 @@
 
 namespace trellis {
 
+// An attribute of the current device, queried once per device (0 where it cannot be queried):
+// launchers that choose a path, a grid or shared memory by it ask on every launch.
+template <cudaDeviceAttr A>
+inline int current_device_attr() {
+    static int v[64] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (!v[dev] && cudaDeviceGetAttribute(&v[dev], A, dev) != cudaSuccess) return 0;
+    return v[dev];
+}
+
 // Rows of x handled by one pass of the fused product; larger m loops over row chunks.
 constexpr int kMaxFusedRows = 32;
 
