@@ -24,7 +24,8 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               (engine/ops/chain.py: each product's output stage writes the next one's input, no
               prep kernels between them; TRELLIS_CHAIN picks the default, off)
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
-Prints one JSON line per (path, context).
+--batch N decodes N sequences together (tokens_per_s counts all of them).
+Prints one JSON line per (path, batch, context).
 """
 from __future__ import annotations
 
