@@ -12,7 +12,7 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               PyTorch ops the glue kernels replace (the previous version, for a same-run ratio)
   cuda-graph-nopdl   cuda-graph without programmatic dependent launch of the products
   cuda-graph-nogroup cuda-graph with one product per linear (q/k/v and gate/up not grouped)
-  cuda-graph-int8    cuda-graph with the MUL1 integer path at m = 1 (TRELLIS_INT8=auto)
+  cuda-graph-int8    cuda-graph with the MUL1 integer path up to 4 rows (TRELLIS_INT8=auto)
   cuda-graph-fp16    cuda-graph with the fp16 path only (TRELLIS_INT8=0)
   cuda-graph-sdpa    cuda-graph with SDPA for decode attention instead of our kernel
   cuda-graph-noprep  timing probe, wrong tokens: cuda-graph with the activation preps not launched,
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         model, load_s = loaded[kind]
         graph = path.startswith("cuda-graph")
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
-        ops.INT8_MAX_ROWS = {"cuda-graph-int8": 1, "cuda-graph-fp16": 0}.get(path, int8_default)
+        ops.INT8_MAX_ROWS = {"cuda-graph-int8": 4, "cuda-graph-fp16": 0}.get(path, int8_default)
         ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
         ops.CHAIN = path == "cuda-graph-chain" or (chain_default and path not in (
             "cuda-graph-nochain", "cuda-graph-noprep", "cuda-graph-sepprep", "cuda-graph-selfprep"))

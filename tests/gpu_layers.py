@@ -35,3 +35,14 @@ def capture(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def kernels_run(fn, name_part: str = "gemv") -> set[str]:
+    """Names of the CUDA kernels fn() launches whose name contains name_part (the profiler's
+    demangled names carry the template arguments, so a test can check which instantiation ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if name_part in e.name}

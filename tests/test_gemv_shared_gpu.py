@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import DEV, capture, rand_layer, rel_rms  # noqa: E402
+from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms  # noqa: E402
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both)
@@ -52,15 +52,6 @@ def test_shared_kernel_matches_reference_for_every_row_group(K, cb):
     assert workspaces_zero()
 
 
-def _kernels_run(fn) -> set[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "gemv" in e.name}
-
-
 def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
     """Where it measured faster (17..32 rows of layers of at least 4096 x 14336 weights) the
     default dispatch launches the block-shared kernel, elsewhere the per-warp one."""
@@ -68,7 +59,7 @@ def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
     small = rand_layer(4096, 4096, 4, "mul1", seed=8)
     for t, rows, shared in ((big, 32, True), (big, 17, True), (big, 16, False), (big, 8, False), (small, 32, False)):
         x = torch.randn(rows, t.trellis.shape[0] * 16, device=DEV).half()
-        names = _kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+        names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
         assert any("gemv_sa" in n for n in names) == shared, (rows, t.trellis.shape, names)
         assert any("gemv_sa" not in n for n in names) != shared, (rows, names)
 

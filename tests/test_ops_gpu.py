@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import capture, rand_layer, rel_rms  # noqa: E402
+from tests.gpu_layers import capture, kernels_run, rand_layer, rel_rms  # noqa: E402
 
 CODEBOOKS = ["3inst", "mcg", "mul1"]
 DEV = torch.device("cuda")
@@ -115,6 +115,23 @@ def test_two_row_units_of_large_layers_match_reference(K, cb):
         with ops.debug_variant(10):
             y1 = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
         assert rel_rms(y, y1) < 1e-3, (rows, int8)
+
+
+def test_default_dispatch_takes_int8_path_up_to_four_rows():
+    """MUL1 products of 1..4 rows take the integer path by default (one launch covers 4 rows at the
+    cost of one), 5..8 rows the fp16 path; other codebooks never take it. Checked by the kernel's
+    PATH template argument (GV_I8 = 0) in the launched kernel's name."""
+    import re
+
+    def paths(t, rows):
+        x = torch.randn(rows, 1024, device=DEV).half()
+        names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused"), "exl3_gemv_kernel")
+        return {int(re.search(r"exl3_gemv_kernel<\d+, \d+, (\d+)", n).group(1)) for n in names}
+
+    mul1, inst3 = rand_layer(1024, 2048, 4, "mul1", seed=3), rand_layer(1024, 2048, 4, "3inst", seed=4)
+    for rows in range(1, 9):
+        assert paths(mul1, rows) == ({0} if rows <= 4 else {1}), rows
+    assert paths(inst3, 2) == {1}
 
 
 def test_int8_path_with_zero_and_tiny_rows():
@@ -309,7 +326,7 @@ def test_gated_input_product_matches_act_then_product(act):
     up as views of one grouped output, the int8 path, and row counts past one fused chunk."""
     n_in, n_out = 1024, 512
     t = rand_layer(n_in, n_out, 4, "mul1", seed=41, bias=True)
-    for rows, int8 in ((1, False), (8, False), (17, False), (1, True), (8, True), (200, False)):
+    for rows, int8 in ((1, False), (8, False), (17, False), (1, True), (3, True), (8, True), (200, False)):
         gu = torch.randn(rows, 2 * n_in, device=DEV).half() * 2
         gate, up = gu[:, :n_in], gu[:, n_in:]
         a = ops.gated_act(gate, up, act)
@@ -348,7 +365,7 @@ def test_pending_norm_computed_in_the_grouped_prep(with_residual):
     members = [rand_layer(512, n, 4, "mul1", seed=500 + i) for i, n in enumerate((384, 128, 128))]
     g = ops.join_linears(members)
     w = (torch.rand(512, device=DEV) + 0.5).half()
-    for rows, int8 in ((1, False), (1, True), (5, True), (40, False), (70, False)):
+    for rows, int8 in ((1, False), (1, True), (3, True), (5, True), (40, False), (70, False)):
         x = torch.randn(1, rows, 512, device=DEV).half()
         r = torch.randn(1, rows, 512, device=DEV).half() if with_residual else None
         p = ops.PendingNorm(x, w, 1e-5, r)

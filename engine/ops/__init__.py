@@ -22,10 +22,12 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
 FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
 # MUL1 layers may use the integer tensor-core path (activations as two int8 passes, about 15
-# bits) up to INT8_MAX_ROWS rows. It pays at m = 1 only (8192x28672: 15% faster; 30% slower at
-# m = 8; csrc/PERF_NOTES.md), so by default one-token decode steps take it. TRELLIS_INT8: auto
-# (m = 1, the default), 0 (never), 1 (every m <= 8).
-INT8_MAX_ROWS = {"0": 0, "auto": 1, "1": 8}.get(os.environ.get("TRELLIS_INT8", "auto").lower(), 1)
+# bits) up to INT8_MAX_ROWS rows. One launch covers 4 rows (a B column per (row, pass)) at about
+# the cost of one, so it pays up to 4 rows (8192x28672 at 4 rows: 53 us against 62 for the fp16
+# path); 5..8 rows take a second column group with half the tiles per unit and lose (92 against
+# 65 us, 78 with two k rows per unit; csrc/PERF_NOTES.md, session 9). TRELLIS_INT8: auto (m <= 4, the default), 0 (never),
+# 1 (every m <= 8).
+INT8_MAX_ROWS = {"0": 0, "auto": 4, "1": 8}.get(os.environ.get("TRELLIS_INT8", "auto").lower(), 4)
 # Fused-product kernel generation: 3 = persistent warps (csrc/exl3_gemv.cuh), 2 = the previous
 # one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
 MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
