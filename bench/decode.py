@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
-                         "integer path at m = 1 on / off), cuda-graph-sdpa (SDPA for decode attention), "
+                         "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
                          "kernel before every product / decode products prep their own input), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "

@@ -25,8 +25,8 @@ FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
 # bits) up to INT8_MAX_ROWS rows. One launch covers 4 rows (a B column per (row, pass)) at about
 # the cost of one, so it pays up to 4 rows (8192x28672 at 4 rows: 53 us against 62 for the fp16
 # path); 5..8 rows take a second column group with half the tiles per unit and lose (92 against
-# 65 us, 78 with two k rows per unit; csrc/PERF_NOTES.md, session 9). TRELLIS_INT8: auto (m <= 4, the default), 0 (never),
-# 1 (every m <= 8).
+# 65 us, 78 with two k rows per unit; csrc/PERF_NOTES.md, session 9). TRELLIS_INT8: auto (m <= 4,
+# the default), 0 (never), 1 (every m <= 8).
 INT8_MAX_ROWS = {"0": 0, "auto": 4, "1": 8}.get(os.environ.get("TRELLIS_INT8", "auto").lower(), 4)
 # Fused-product kernel generation: 3 = persistent warps (csrc/exl3_gemv.cuh), 2 = the previous
 # one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
