@@ -537,6 +537,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
+    m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,
+          "k-row pairs per resident warp from which a product takes two k rows per unit (default 6)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,

@@ -60,19 +60,24 @@ __device__ __forceinline__ uint32_t state_at(uint32_t h0, uint32_t h1, uint32_t 
 __device__ __forceinline__ uint32_t as_u32(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<half2*>(&u); }
 
+// MUL1 without its affine step: half2(1024 + t0, 1024 + t1), t the byte sums of s * 0x83DCD12D
+// (0x6400 + t is the fp16 of 1024 + t, exactly). value = k_inv * (1024 + t) + k_bias; a product
+// can apply that once per output (k_inv * sum(x h) + k_bias * sum(x)) instead of once per pair.
+__device__ __forceinline__ uint32_t decode_pair_mul1_raw(uint32_t s0, uint32_t s1) {
+    const uint32_t x0 = s0 * 0x83DCD12Du;
+    const uint32_t x1 = s1 * 0x83DCD12Du;
+    const uint32_t t0 = __dp4a(x0, 0x01010101u, 0x6400u);
+    const uint32_t t1 = __dp4a(x1, 0x01010101u, 0x6400u);
+    return __byte_perm(t0, t1, 0x5410);
+}
+
 // Two states -> half2(value(s0), value(s1)); bit-exact with the reference codebooks (spec 2).
 template <int CB>
 __device__ __forceinline__ uint32_t decode_pair(uint32_t s0, uint32_t s1) {
     if constexpr (CB == CB_MUL1) {
-        uint32_t x0 = s0 * 0x83DCD12Du;
-        uint32_t x1 = s1 * 0x83DCD12Du;
-        // 0x6400 + byte sum = fp16 bits of 1024 + t (exact).
-        uint32_t t0 = __dp4a(x0, 0x01010101u, 0x6400u);
-        uint32_t t1 = __dp4a(x1, 0x01010101u, 0x6400u);
-        uint32_t h = __byte_perm(t0, t1, 0x5410);
         const half2 k_inv = as_h2(0x1EEE1EEEu);
         const half2 k_bias = as_h2(0xC931C931u);
-        return as_u32(__hfma2(as_h2(h), k_inv, k_bias));
+        return as_u32(__hfma2(as_h2(decode_pair_mul1_raw(s0, s1)), k_inv, k_bias));
     } else {
         uint32_t x0, x1;
         if constexpr (CB == CB_3INST) {

@@ -264,36 +264,51 @@ __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, hal
 
 // Tile decode of the fp16 path: the lane's 8 states of the tile at word `tile` of shared memory,
 // as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
-template <int K, int CB>
+// RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it
+// per output.
+template <int K, int CB, bool RAW = false>
 __device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
                                               uint32_t v[4]) {
+    static_assert(!RAW || CB == CB_MUL1, "only MUL1 has a raw decode");
     uint32_t st[8];
     gv_states<K>(smem, tile, wa, wb, wc, shift, st);
-    v[0] = decode_pair<CB>(st[0], st[1]);
-    v[1] = decode_pair<CB>(st[2], st[3]);
-    v[2] = decode_pair<CB>(st[4], st[5]);
-    v[3] = decode_pair<CB>(st[6], st[7]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
+}
+
+// MUL1's affine step for the fp16 path, applied per output: the k row's B fragment times an A of
+// ones adds sum(x) over the k row to `sacc` (the same D layout as the tile accumulators; columns
+// g and g + 8 alike), one MMA per k row instead of one HFMA2 per weight pair and tile.
+__device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
+    constexpr uint32_t kOnes = 0x3C003C00u;
+    mma_16816(sacc, kOnes, kOnes, kOnes, kOnes, b.x, b.y);
 }
 
 // fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
 // z. D fragment: c0/c1 = (out col g, rows 2cq, 2cq + 1), c2/c3 = the same for col g + 8.
-template <int NG, int CT>
+// MUL1 (the raw decode): each sum is k_inv * acc + k_bias * sacc, sacc the rows' sums of x.
+template <int NG, int CT, bool MUL1 = false>
 __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float (&acc)[NG][CT][4], int grp, int m,
-                                             int out, int lane) {
+                                             int out, int lane, const float (*sacc)[4] = nullptr) {
     const int g = lane >> 2, cq = lane & 3;
+    constexpr float kMul1Bias = kMul1C0 - 1024.f * kMul1Inv;  // half(0xC931), exact
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
+        auto val = [&](int ct, int q) {
+            return MUL1 ? fmaf(kMul1Inv, acc[gr][ct][q], kMul1Bias * sacc[gr][q & 1]) : acc[gr][ct][q];
+        };
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
             const int col = (grp * CT + ct) * 16 + g;
             const int row = gr * 8 + 2 * cq;
             if (row < m) {
-                atomicAdd(z + (size_t)row * out + col, acc[gr][ct][0]);
-                atomicAdd(z + (size_t)row * out + col + 8, acc[gr][ct][2]);
+                atomicAdd(z + (size_t)row * out + col, val(ct, 0));
+                atomicAdd(z + (size_t)row * out + col + 8, val(ct, 2));
             }
             if (row + 1 < m) {
-                atomicAdd(z + (size_t)(row + 1) * out + col, acc[gr][ct][1]);
-                atomicAdd(z + (size_t)(row + 1) * out + col + 8, acc[gr][ct][3]);
+                atomicAdd(z + (size_t)(row + 1) * out + col, val(ct, 1));
+                atomicAdd(z + (size_t)(row + 1) * out + col + 8, val(ct, 3));
             }
         }
     }
@@ -543,8 +558,13 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     float facc[NG][CT][2];
     float cadd[NG];
     float2 cur_sc[NG];
-    // F16 accumulators.
+    // F16 accumulators. MUL1 with one group of 8 rows: of 1024 + t, with the rows' sums of x in
+    // sacc (gv_mul1_row_sum, gv_flush_f16): 7-9% faster at 5..8 rows. With more groups the
+    // registers it takes cost more than the HFMA2s it saves (7% slower at 16 rows; csrc/
+    // PERF_NOTES.md, session 10).
     float acc[NG][CT][4];
+    constexpr bool kRawMul1 = PATH == GV_F16 && CB == CB_MUL1 && NG == 1;
+    float sacc[NG][4];
 
     auto zero_acc = [&]() {
         cpart = 0.f;
@@ -559,6 +579,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 }
                 facc[gr][ct][0] = facc[gr][ct][1] = 0.f;
             }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) sacc[gr][q] = 0.f;
         }
     };
     auto load_scales = [&]() {
@@ -629,7 +651,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 }
             }
         } else {
-            gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+            gv_flush_f16<NG, CT, kRawMul1>(z, acc, c_grp, m, out, lane, sacc);
         }
     };
 
@@ -712,6 +734,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 for (int gr = 0; gr < NG; ++gr) {
                     const int ba = base + CT * TW + (gr * 32 + lane) * 2;
                     b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(gv_smem + ba) : make_uint2(0u, 0u);
+                    if constexpr (kRawMul1) gv_mul1_row_sum(sacc[gr], b[gr]);
                 }
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
@@ -720,7 +743,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
                     } else {
-                        gv_decode_f16<K, CB>(gv_smem, tile, wa, wb, wc, shift, v);
+                        gv_decode_f16<K, CB, kRawMul1>(gv_smem, tile, wa, wb, wc, shift, v);
                     }
                     if constexpr (VAR == 2) {
                         acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);

@@ -207,6 +207,7 @@ bool gemv_self_prep(const MmArgs& a) {
     return (rows - 1) / 8 + 2 <= kSpSlots;
 }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
+void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.

@@ -111,6 +111,13 @@ inline int& gemv_min_units() {
     return v;
 }
 
+// Version-3 launcher: a one-group product takes two k rows per unit (gv_two_rows) when it has at
+// least this many k-row pairs per resident warp.
+inline int& gemv_two_row_units() {
+    static int v = 6;
+    return v;
+}
+
 inline int& early_trigger_flag() {
     static int v = 2;
     return v;
@@ -155,10 +162,9 @@ constexpr int kGvTwoRowMaxK = 6;
 // Whether a version-3 product with one group of B columns takes two k rows per unit (large
 // layers, K <= kGvTwoRowMaxK; see launch_gemv_shipped).
 inline bool gv_two_rows(int in, int out, int K, int num_sms) {
-    constexpr long kUnitsPerWarp = 8;
     const long pairs = (long)(out / 128) * (in / 32);
     const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
-    return K <= kGvTwoRowMaxK && pairs >= kUnitsPerWarp * resident_warps;
+    return K <= kGvTwoRowMaxK && pairs >= gemv_two_row_units() * resident_warps;
 }
 
 // Chunk slots of a self-prepping product's warp (exl3_gemv.cuh): the 128-chunks its k rows

@@ -153,6 +153,7 @@ void set_pdl(bool enabled);
 bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
+void set_gemv_two_row_units(int units);
 // When products and decode attention let the kernel after them launch (PDL). Mode 1, at their
 // start: measured on the H200 it cost 1-4% of decode speed (the next product's trellis prefetch
 // then competes with the running one for DRAM; csrc/PERF_NOTES.md, session 5). Mode 2 (products

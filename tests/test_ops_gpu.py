@@ -83,6 +83,23 @@ def test_large_layer_matches_reference(cb):
         assert rel_rms(ops.exl3_gemm(x, t), fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
 
 
+@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 14336)])
+def test_mul1_fp16_path_applies_the_affine_step_per_output(n_in, n_out):
+    """The fp16 path with one group of 8 rows decodes MUL1 to 1024 + t and applies k_inv and
+    k_bias once per output, with each row's sum of the rotated input from one MMA per k row
+    (csrc/exl3_gemv.cuh, gv_mul1_row_sum). Unit input scales and inputs of mean 1 put a large
+    value at the head of every 128-chunk after the rotation, so the k_bias term is ~30x the
+    product: a missing or misplaced row sum cannot hide. 4096x14336 takes two k rows per unit."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=n_out)
+    t = fmt.EXL3Tensors(t.trellis, torch.ones_like(t.suh), t.svh, "mul1", None)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    for rows in (1, 3, 5, 8, 12):
+        x = (1.0 + 0.1 * torch.randn(rows, n_in, device=DEV)).half()
+        y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
+        assert err < 2e-3, (rows, err)
+
+
 @pytest.mark.parametrize("variant", range(10, 20))
 def test_occupancy_configurations_match_reference(variant):
     """Each gv_tune configuration (benchmark knob today, a default tomorrow) computes the same
@@ -102,7 +119,7 @@ def test_occupancy_configurations_match_reference(variant):
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])
 def test_two_row_units_of_large_layers_match_reference(K, cb):
     """Layers large enough for two k rows per unit (4096x28672: 28,672 row pairs of 128 columns
-    against 8 per resident warp) give the reference's product on both arithmetic paths, and the
+    against 6 per resident warp) give the reference's product on both arithmetic paths, and the
     same as the one-row configuration (debug variant 10) up to fp32 summation order."""
     t = rand_layer(4096, 28672, K, cb, seed=31 + K)
     for rows, int8 in ((1, True), (1, False), (3, True), (8, False)):

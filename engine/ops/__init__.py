@@ -80,6 +80,9 @@ def extension():
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
         _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
+        # From how many k-row pairs per resident warp a product takes two k rows per unit
+        # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
+        _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
