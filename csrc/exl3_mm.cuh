@@ -112,7 +112,8 @@ inline int& gemv_min_units() {
 }
 
 // Version-3 launcher: a one-group product takes two k rows per unit (gv_two_rows) when it has at
-// least this many k-row pairs per resident warp.
+// least this many k-row pairs per resident warp. 6 takes in 4096x14336 and 14336x4096, 4-9%
+// faster at one row that way (8 left them out; csrc/PERF_NOTES.md, session 10).
 inline int& gemv_two_row_units() {
     static int v = 6;
     return v;
