@@ -28,7 +28,7 @@
 #include <type_traits>
 
 #include "exl3_decode.cuh"
-#include "exl3_mm.cuh"  // kMul1Inv, kMul1C0 (MUL1 value = kMul1Inv * byte sum + kMul1C0)
+#include "exl3_mm.cuh"  // kMul1Inv, kMul1C0, kMul1Bias (MUL1 value = kMul1Inv * byte sum + kMul1C0)
 #include "exl3_prep.cuh"
 #include "kernels.h"
 
@@ -292,7 +292,6 @@ template <int NG, int CT, bool MUL1 = false>
 __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float (&acc)[NG][CT][4], int grp, int m,
                                              int out, int lane, const float (*sacc)[4] = nullptr) {
     const int g = lane >> 2, cq = lane & 3;
-    constexpr float kMul1Bias = kMul1C0 - 1024.f * kMul1Inv;  // half(0xC931), exact
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
         auto val = [&](int ct, int q) {

@@ -392,6 +392,7 @@ __global__ void __launch_bounds__(256) exl3_mm_kernel(const half* __restrict__ x
 
 constexpr float kMul1Inv = 0.0067672729492188f;  // half(0x1EEE)
 constexpr float kMul1C0 = -3.453125f;             // 1024 * k_inv + k_bias, exact
+constexpr float kMul1Bias = -10.3828125f;         // k_bias: half(0xC931)
 
 template <int K, int MGI>
 __global__ void __launch_bounds__(256) exl3_mm_i8_kernel(const uint32_t* __restrict__ sq, int ldsq,
