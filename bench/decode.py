@@ -20,6 +20,12 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-sepprep / cuda-graph-selfprep  cuda-graph with a prep kernel before every product /
               with the decode products prepping their own input (TRELLIS_SELF_PREP picks the
               default); both without decode chains, as is -noprep
+  cuda-graph-launchonly / -notail / -nofinish  timing probes, wrong tokens: the K = 4 products
+              launched but returning at once / without their split-k tail (no atomics, count or
+              output stage) / without count and output stage (csrc/exl3_gemv.cuh, VAR 4-6)
+  cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
+              (engine/ops/open_sums.py) for no reader / every reader / the down projection's
+              prep only / the norms' preps only (TRELLIS_OPEN_SUMS picks the default, none)
   cuda-graph-chain / cuda-graph-nochain  cuda-graph with / without decode chains
               (engine/ops/chain.py: each product's output stage writes the next one's input, no
               prep kernels between them; TRELLIS_CHAIN picks the default, off)
@@ -37,6 +43,13 @@ import time
 from pathlib import Path
 
 import torch
+
+
+OPEN_PATHS = {"cuda-graph-noopen": frozenset(), "cuda-graph-open": frozenset({"gated", "normed"}),
+              "cuda-graph-opengated": frozenset({"gated"}), "cuda-graph-opennormed": frozenset({"normed"})}
+
+# Timing probes of the products' fixed cost (csrc/exl3_gemv.cuh, VAR 4-6; wrong tokens).
+PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6}
 
 
 def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Path:
@@ -136,7 +149,7 @@ def main(argv=None) -> int:
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
-    self_prep_default, chain_default = ops.SELF_PREP, ops.CHAIN
+    self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
         if kind not in loaded:
@@ -148,6 +161,7 @@ def main(argv=None) -> int:
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
         ops.INT8_MAX_ROWS = {"cuda-graph-int8": 4, "cuda-graph-fp16": 0}.get(path, int8_default)
         ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
+        ops.OPEN_SUMS = OPEN_PATHS.get(path, open_default)
         ops.CHAIN = path == "cuda-graph-chain" or (chain_default and path not in (
             "cuda-graph-nochain", "cuda-graph-noprep", "cuda-graph-sepprep", "cuda-graph-selfprep"))
         if kind == "cuda":
@@ -160,6 +174,7 @@ def main(argv=None) -> int:
         if path != "torch":
             ops.extension().set_pdl(path != "cuda-graph-nopdl")
             ops.extension().set_prep_skip(path == "cuda-graph-noprep")
+            ops.extension().set_mm_debug_variant(PROBE_VARIANTS.get(path, ops._DEFAULT_VARIANT))
             ops.extension().set_self_prep(
                 {"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}.get(path, self_prep_default))
         for batch, ctx in itertools.product(args.batch, args.contexts):

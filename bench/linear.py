@@ -157,7 +157,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     fns = {
         "ops_exl3_gemm_us": lambda: ops.exl3_gemm(x, t),
         "ext_exl3_gemm_us": lambda: ext.exl3_gemm(x, t.suh, t.svh, t.trellis, None, 1, ws, 0, 0, 3, cnt, [], None, 0,
-                                                           None, 0.0, None, None, [], [], 0, 0),
+                                                           None, 0.0, None, None, [], [], 0, 0, [], None, False),
         "torch_matmul_us": lambda: torch.matmul(x, w),
     }
     res = {}
@@ -249,15 +249,27 @@ def tune(args) -> None:
                                       "check_rel_rms": checks.get(row["m"])}), flush=True)
 
 
+PROBES = ((1, "no_decode"), (2, "no_mma"), (3, "one_stream"), (4, "launch_only"), (5, "no_tail"),
+          (6, "no_finish"), (0, "no_prep"), (0, "full"))
+
+
 def probe(args) -> None:
-    """Which stage limits the fused kernel: time it whole, without decode, without MMAs."""
+    """Which stage limits the fused kernel: time it whole and with one stage left out (the
+    decode, the MMAs, the split-k tail, the output stage, the prep kernel before it; or all but
+    the launch). Results are wrong; only the times mean something. 4-6 exist for K = 4 MUL1."""
     from engine import ops
 
+    ext = ops.extension()
     for shape in args.shapes:
-        for variant, name in ((1, "no_decode"), (2, "no_mma"), (3, "one_stream"), (0, "full")):
-            with ops.debug_variant(variant):
-                for row in bench_shape(shape, args.m, args.K, args.codebook, ["fused"], True, args.calls, args.warmup, out=open("/dev/null", "w")):
-                    print(json.dumps({**row, "bench": "linear_probe", "variant": name}), flush=True)
+        for variant, name in PROBES:
+            ext.set_prep_skip(name == "no_prep")
+            try:
+                with ops.debug_variant(variant):
+                    for row in bench_shape(shape, args.m, args.K, args.codebook, ["fused"], True, args.calls,
+                                           args.warmup, out=open("/dev/null", "w")):
+                        print(json.dumps({**row, "bench": "linear_probe", "variant": name}), flush=True)
+            finally:
+                ext.set_prep_skip(False)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,27 @@ bool chain_fits(int64_t in, int64_t out, int64_t K) {
     return trellis::gemv_chain_fits(a);
 }
 
+// The open-sums view of an fp32 matrix (x or up of a product whose input is the open output of
+// the product before it): rows [m, in] at row stride ld, 16-byte aligned, with that product's
+// svh and (optional: an empty tensor) bias over the same columns.
+trellis::OpenSums open_sums(const torch::Tensor& z, const torch::Tensor& svh, const torch::Tensor& bias, int64_t m,
+                            int64_t in, const char* name) {
+    TORCH_CHECK(z.is_cuda() && z.scalar_type() == torch::kFloat && z.dim() == 2 && z.size(0) == m &&
+                    z.size(1) == in && z.stride(1) == 1 && z.stride(0) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 == 0,
+                name, " (open sums) must be an fp32 CUDA matrix [m, in] with 16-byte aligned rows");
+    check_half_vec(svh, in, "open sums svh");
+    trellis::OpenSums o;
+    o.z = z.data_ptr<float>();
+    o.ld = (int)z.stride(0);
+    o.svh = hptr(svh);
+    if (bias.numel()) {
+        check_half_vec(bias, in, "open sums bias");
+        o.bias = hptr(bias);
+    }
+    return o;
+}
+
 // y = had(z(x)) for x [m, in] fp16. workspace: fp32, >= min(m, 32) * out elements, all zero on
 // entry (and left zero). int8_mode: 1 lets MUL1 layers with m <= 8 use the integer path.
 // seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
@@ -130,6 +151,11 @@ bool chain_fits(int64_t in, int64_t out, int64_t K) {
 // scales, csum] (and [part] when they lack the norm's 1 / rms, applied with eps) is this product's
 // int8 input, written by the previous product's output stage, so no prep runs; x then only gives
 // m. `chain` (with chain_mode, chain_act) makes this product's output stage write the next one's.
+// Open sums (kernels.h OpenSums; version 3, m <= 8): x (and up) may be fp32, the open output of the
+// product before, with open_post = [svh_x, bias_x (, svh_up, bias_up)] (an empty tensor for no
+// bias); zero_after is then the fp32 region holding those sums, which this product zeroes once its
+// prep has read them. open_out: the product applies no output transform and returns its sums, a
+// [m, out] fp32 view of the workspace that stays non-zero until a reader's product zeroes it.
 torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, torch::Tensor trellis,
                         c10::optional<torch::Tensor> bias, int64_t codebook,
                         torch::Tensor workspace, int64_t ksplit, int64_t int8_mode,
@@ -138,26 +164,46 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                         int64_t act, c10::optional<torch::Tensor> norm_w, double eps,
                         c10::optional<torch::Tensor> residual,
                         c10::optional<torch::Tensor> residual_out, std::vector<torch::Tensor> prepared,
-                        std::vector<torch::Tensor> chain, int64_t chain_mode, int64_t chain_act) {
+                        std::vector<torch::Tensor> chain, int64_t chain_mode, int64_t chain_act,
+                        std::vector<torch::Tensor> open_post, c10::optional<torch::Tensor> zero_after,
+                        bool open_out) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
-    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.dim() == 2 && x.stride(1) == 1,
-                "x must be an fp16 CUDA matrix with unit column stride");
+    const bool open_in = x.scalar_type() == torch::kFloat;
+    TORCH_CHECK(x.is_cuda() && (open_in || x.scalar_type() == torch::kHalf) && x.dim() == 2 && x.stride(1) == 1,
+                "x must be an fp16 (or open-sums fp32) CUDA matrix with unit column stride");
     const int64_t m = x.size(0), in = trellis.size(0) * 16, out = trellis.size(1) * 16;
     TORCH_CHECK(x.size(1) == in, "x has ", x.size(1), " columns, the layer takes ", in);
     TORCH_CHECK(in % 128 == 0 && out % 128 == 0, "fused EXL3 product needs dims that are multiples of 128");
     TORCH_CHECK(x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
                 "x rows must be 8-byte aligned");
+    trellis::OpenSums xo, uo;
+    if (open_in || open_out) {
+        TORCH_CHECK(version == 3 && m <= 8 && prepared.empty() && chain.empty(),
+                    "open sums take the version-3 product at m <= 8, without decode chains");
+    }
+    if (open_in) {
+        TORCH_CHECK(open_post.size() == (up.has_value() ? 4u : 2u), "open sums need their svh and bias (open_post)");
+        TORCH_CHECK(zero_after.has_value() && zero_after->is_cuda() && zero_after->scalar_type() == torch::kFloat &&
+                        zero_after->is_contiguous() && zero_after->numel() % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(zero_after->data_ptr()) % 16 == 0,
+                    "open sums need the fp32 region that holds them (zero_after), 16-byte aligned");
+        TORCH_CHECK(zero_after->numel() < (1LL << 31), "open sums region too large");
+        xo = open_sums(x, open_post[0], open_post[1], m, in, "x");
+        if (up.has_value()) uo = open_sums(*up, open_post[2], open_post[3], m, in, "up");
+    } else {
+        TORCH_CHECK(open_post.empty() && !zero_after.has_value(), "open_post and zero_after go with open-sums input");
+    }
     const int nseg = (int)seg_cols.size() + 1;
     TORCH_CHECK(nseg <= 4, "a grouped product takes at most four linears");
     for (size_t s = 0; s < seg_cols.size(); ++s)
         TORCH_CHECK(seg_cols[s] % 128 == 0 && seg_cols[s] > (s ? seg_cols[s - 1] : 0) && seg_cols[s] < out,
                     "grouped product: segment starts must be increasing multiples of 128 inside the output");
-    TORCH_CHECK(nseg == 1 || (version == 3 && counters.has_value()),
+    TORCH_CHECK(nseg == 1 || (version == 3 && (counters.has_value() || open_out)),
                 "grouped product needs the version-3 kernel with its fused output stage");
     if (up.has_value()) {  // x is a gate, the input act(x) * up (a gated MLP's down projection)
         TORCH_CHECK(version == 3 && nseg == 1, "a gated input needs the version-3 single product");
-        TORCH_CHECK(up->is_cuda() && up->scalar_type() == torch::kHalf && up->dim() == 2 &&
+        TORCH_CHECK(up->is_cuda() && up->scalar_type() == x.scalar_type() && up->dim() == 2 &&
                         up->size(0) == m && up->size(1) == in && up->stride(1) == 1 &&
                         up->stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(up->data_ptr()) % 8 == 0,
                     "up must be an fp16 CUDA matrix shaped like x with 8-byte aligned rows");
@@ -165,7 +211,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     }
     trellis::PrepNorm norm;
     if (norm_w.has_value()) {  // the input is rms_norm(x (+ residual)) * norm_w (q/k/v, gate/up)
-        TORCH_CHECK(version == 3 && !up.has_value() && x.is_contiguous(),
+        TORCH_CHECK(version == 3 && !up.has_value() && (x.is_contiguous() || open_in),
                     "a normed input needs the version-3 product and a contiguous x");
         check_half_vec(norm_w, in, "norm weight");
         norm.w = hptr(*norm_w);
@@ -174,7 +220,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
             TORCH_CHECK(residual_out.has_value(), "a residual needs residual_out");
             for (const auto* t : {&*residual, &*residual_out})
                 TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->is_contiguous() &&
-                                t->sizes() == x.sizes(),
+                                t->size(0) == m && t->numel() == m * in,
                             "residual and residual_out must be contiguous fp16 CUDA tensors shaped like x");
             norm.residual = hptr(*residual);
             norm.residual_out = hptr_mut(*residual_out);
@@ -187,8 +233,8 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                     workspace.is_contiguous() &&
                     workspace.numel() >= std::min<int64_t>(m, trellis::kMaxFusedRows) * out,
                 "workspace too small");
-    auto y = torch::empty({m, out}, x.options());
-    if (m == 0) return y;
+    auto y = torch::empty({open_out ? 0 : m, out}, x.options().dtype(torch::kHalf));
+    if (m == 0) return open_out ? workspace.narrow(0, 0, 0).view({0, out}) : y;
     auto stream = at::cuda::getCurrentCUDAStream();
     const int chunk = (int)std::min<int64_t>(m, trellis::kMaxFusedRows);
     const bool use_i8 = int8_mode != 0 && codebook == kCodebookMul1 && m <= 8;
@@ -205,7 +251,11 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     a.pdl = trellis::pdl_setting() && props->major >= 9;
     a.early_trigger = trellis::early_trigger_setting();
     a.version = version == 2 ? 2 : 3;
-    const bool fused_out = a.version == 3 && counters.has_value();
+    const bool fused_out = a.version == 3 && counters.has_value() && !open_out;
+    if (open_in) {
+        a.zero_after = zero_after->data_ptr<float>();
+        a.zero_n = (int)zero_after->numel();
+    }
     if (fused_out) {
         TORCH_CHECK(counters->is_cuda() && counters->scalar_type() == torch::kInt &&
                         counters->is_contiguous() && counters->numel() >= out / 128,
@@ -241,7 +291,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
         return y;
     }
-    if (fused_out && use_i8 && m == 1 && !a.next.mode && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
+    if (fused_out && use_i8 && m == 1 && !a.next.mode && !open_in && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
         a.self_prep = true;
         a.x = hptr(x);
         a.ldx = (int)x.stride(0);
@@ -281,16 +331,16 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     for (int64_t r0 = 0; r0 < m; r0 += trellis::kMaxFusedRows) {
         const int rows = (int)std::min<int64_t>(trellis::kMaxFusedRows, m - r0);
         a.m = rows;
-        const half* xr = hptr(x) + r0 * x.stride(0);
+        const half* xr = open_in ? nullptr : hptr(x) + r0 * x.stride(0);
         float2* sc = use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr;
         float* cs = use_i8 ? csum.data_ptr<float>() : nullptr;
         if (a.version == 3) {
             CHECK_CUDA_OK(trellis::prep_frag(xr, (int)x.stride(0), hptr(suh),
                                              reinterpret_cast<uint32_t*>(xb.data_ptr()), sc, cs, rows,
                                              (int)in, trellis::gemv_groups(rows, use_i8), nseg, stream,
-                                             up.has_value() ? hptr(*up) + r0 * up->stride(0) : nullptr,
+                                             up.has_value() && !open_in ? hptr(*up) + r0 * up->stride(0) : nullptr,
                                              up.has_value() ? (int)up->stride(0) : 0, (int)act,
-                                             chunk_norm(norm, r0 * in)));
+                                             chunk_norm(norm, r0 * in), xo, uo));
         } else {
             CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
                                           use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
@@ -298,6 +348,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         }
         if (fused_out) a.y = hptr_mut(y) + r0 * out;
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
+        if (open_out) return workspace.narrow(0, 0, m * out).view({m, out});
         if (!fused_out)
             CHECK_CUDA_OK(trellis::had128_f32(a.z, (int)out, hptr_mut(y) + r0 * out, (int)out, hptr(svh),
                                           opt_hptr(bias), rows, (int)out, true, stream));

@@ -346,7 +346,9 @@ struct GvBlockList {
 
 // VAR: timing probes (0 normal, 1 no decode: raw words as operands, 2 no MMA, 3 each warp's
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
-// the same work, to time the memory layout).
+// the same work, to time the memory layout; the split of a small product's fixed cost: 4 the
+// launch alone (every warp returns after the PDL wait), 5 no split-k tail (no atomics, no
+// completion count, no output stage), 6 the atomics but no completion count or output stage).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
@@ -356,7 +358,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  const uint32_t* __restrict__ trellis, float* __restrict__ z, int m, int in,
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
-                 int seg_c3, int early_trigger, int finish_rows, const __grid_constant__ GvChainArg<CH> chain) {
+                 int seg_c3, int early_trigger, int finish_rows, float* __restrict__ zero_after, int zero_n,
+                 const __grid_constant__ GvChainArg<CH> chain) {
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
@@ -378,7 +381,24 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const long gw = (long)blockIdx.x * kGvWarps + warp;
     const long u0 = units * gw / nwarps;
     const long u1 = units * (gw + 1) / nwarps;
-    if (!SP && u0 >= u1) return;  // SP: the block's norm statistics need every warp (a barrier)
+    // The open sums this product's prep read (MmArgs::zero_after): zeroed once that prep is done,
+    // a 16-byte store per lane by the grid's first warps (a few KB at one row).
+    auto zero_consumed = [&]() {
+        for (long i = (gw * 32 + lane) * 4; i < zero_n; i += nwarps * 128)
+            __stcg(reinterpret_cast<float4*>(zero_after + i), make_float4(0.f, 0.f, 0.f, 0.f));
+    };
+    if constexpr (VAR == 4) {
+        pdl_wait_primary();
+        if (zero_after) zero_consumed();
+        return;
+    }
+    if (!SP && u0 >= u1) {
+        if (zero_after) {
+            pdl_wait_primary();
+            zero_consumed();
+        }
+        return;  // SP: the block's norm statistics need every warp (a barrier)
+    }
     const int n_units = (int)(u1 - u0);
     const int ring = warp * NS * SW;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem + ring));
@@ -499,6 +519,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
 #pragma unroll
             for (int s = 0; s < NS - 1; ++s) issue(s, false, true);
         }
+        if (zero_after) zero_consumed();  // after the activation fetches, off their path
     }
 
     // Self prep: each warp preps the 128-chunks its units touch, in the order it takes them,
@@ -765,9 +786,19 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             // then take what the finished ones leave, and prefetch during this tail).
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
-            if (y) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
-            flush();
-            if (y) finish_block(sv, bv);
+            if constexpr (VAR == 5) {  // probe: keep the sums alive without the tail
+                float t = 0.f;
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+                    for (int ct = 0; ct < CT; ++ct)
+                        t += PATH == GV_I8 ? facc[gr][ct][0] + facc[gr][ct][1] : acc[gr][ct][0] + acc[gr][ct][3];
+                if (t == 1.25e-37f) z[lane] = t;
+            } else {
+                if (y && VAR != 6) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                flush();
+                if (y && VAR != 6) finish_block(sv, bv);
+            }
             if (!last) {
                 zero_acc();
                 c_row = 0;
@@ -812,23 +843,23 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                       a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
                       a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger, gemv_finish_rows(),
-                      chain_arg<CH>(a));
+                      a.zero_after, a.zero_n, chain_arg<CH>(a));
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is
 // paid half as often (ncu, 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59).
 // Small ones keep one (CFG 0), so that they still have enough units to spread over every SM.
 // one_row: debug variant 10, one k row everywhere.
-template <int K, int CB, int PATH, int NG, bool SP, bool CH = false>
+template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
         if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms))
-            return launch_gemv_var<K, CB, PATH, NG, 0, 9, SP, CH>(a, stream);
+            return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
     }
-    return launch_gemv_var<K, CB, PATH, NG, 0, 0, SP, CH>(a, stream);
+    return launch_gemv_var<K, CB, PATH, NG, VAR, 0, SP, CH>(a, stream);
 }
 
-// Debug variants: 1-3 the timing probes (one-group shapes), 10 + CFG an occupancy configuration
+// Debug variants: 1-6 the timing probes (one-group shapes; 4-6 K = 4 MUL1 only), 10 + CFG an occupancy configuration
 // (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -843,6 +874,11 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
         if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
         if (variant == 3) return launch_gemv_var<K, CB, PATH, NG, 3>(a, stream);
+        if constexpr (K == 4 && CB == CB_MUL1) {  // the fixed-cost probes, in the shipped configuration
+            if (variant == 4) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 4>(a, false, stream);
+            if (variant == 5) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 5>(a, false, stream);
+            if (variant == 6) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 6>(a, false, stream);
+        }
     }
     if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
         switch (variant) {

@@ -254,6 +254,7 @@ SaGrid sa_grid(const MmArgs& a) {
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
     if (variant != 0 && (variant < 30 || variant > 34 || variant == 31)) return false;
+    if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
     if (mode == 1 && (NG != 4 || (long)a.in * a.out < 4096L * 14336)) return false;

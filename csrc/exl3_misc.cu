@@ -111,6 +111,8 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //   F16: lane = (r % 8) * 4 + cq, word kk / 8 of the lane's pair, half kk % 2; group r / 8.
 //   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
 //        group r / 4.
+// OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
+template <bool OPEN>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
                                  float* __restrict__ csum, int rows, int in, int ng) {
@@ -132,13 +134,14 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int c = task - r * nch;
     const int k = active ? c * 128 + lane * 4 : lane * 4;
     const PrepWeights wt(x, suh, k);
+    if constexpr (OPEN) open_prefetch(x, k, in);
     pdl_wait_primary();  // from here on: inputs the previous kernel writes, outputs it may read
-    const float inv = x.norm_w ? block_row_inv(x, r, blockIdx.x * 8 / nch,
+    const float inv = x.norm_w ? block_row_inv<OPEN>(x, r, blockIdx.x * 8 / nch,
                                                min(rows * nch - 1, blockIdx.x * 8 + 7) / nch, in)
                                : 0.f;
     if (!active) return;
     half2 o0, o1;
-    prep_lane_xh(x, wt, r, k, lane, o0, o1, inv, blockIdx.y == 0);
+    prep_lane_xh<OPEN>(x, wt, r, k, lane, o0, o1, inv, blockIdx.y == 0);
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -157,14 +160,18 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
-                      const half* up, int ldu, int act, const PrepNorm& norm) {
+                      const half* up, int ldu, int act, const PrepNorm& norm, const OpenSums& xo,
+                      const OpenSums& uo) {
     if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
-    if (norm.w && (up || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
+    const bool gated = up || uo.z;
+    if (norm.w && (gated || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
+    if ((xo.z && !xo.svh) || (uo.z && (!uo.svh || !xo.z))) return cudaErrorInvalidValue;
     if (prep_skip_flag()) return cudaSuccess;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
-    const PrepInput pin = prep_input(x, ldx, up, ldu, act, norm);
-    return launch_glue(prep_frag_kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
+    const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
+    if (xo.z) return launch_glue(prep_frag_kernel<true>, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
+    return launch_glue(prep_frag_kernel<false>, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

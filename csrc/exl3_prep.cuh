@@ -60,11 +60,68 @@ struct PrepInput {
     const half* res = nullptr;     // row-major [rows, in] like x, optional
     half* res_out = nullptr;       // required with res
     float eps = 0.f;
+    OpenSums xo, uo;  // prep_frag<OPEN>: x / up as the open sums of the product before (kernels.h)
 };
 
 // A product's prep input from the launcher's pieces (prep_frag's arguments, MmArgs' self-prep fields).
-inline PrepInput prep_input(const half* x, int ldx, const half* up, int ldu, int act, const PrepNorm& norm) {
-    return PrepInput{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps};
+inline PrepInput prep_input(const half* x, int ldx, const half* up, int ldu, int act, const PrepNorm& norm,
+                            const OpenSums& xo = OpenSums{}, const OpenSums& uo = OpenSums{}) {
+    return PrepInput{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps, xo, uo};
+}
+
+// Open sums (kernels.h): a lane's 4 values k..k+3 (k = 128 b + 4 lane) of row r of the product
+// before, as its split-k sums with the output transform's weights. Loaded apart from the
+// transform so that a reader issues all of its loads before the first shuffle.
+struct OpenLoad {
+    float4 f;
+    uint2 sv, bv;
+};
+
+__device__ __forceinline__ OpenLoad open_load(const OpenSums& o, int r, int k) {
+    OpenLoad l;
+    // Read-only while the prep runs (the reader's product zeroes z after it), and not read before
+    // the prep's programmatic-dependent wait: cached loads, so a normed prep's second read of its
+    // chunk (after the row's statistics) hits L1.
+    l.f = __ldg(reinterpret_cast<const float4*>(o.z + (size_t)r * o.ld + k));
+    l.sv = __ldg(reinterpret_cast<const uint2*>(o.svh + k));
+    l.bv = o.bias ? __ldg(reinterpret_cast<const uint2*>(o.bias + k)) : make_uint2(0u, 0u);
+    return l;
+}
+
+// The open sums' weights (svh, bias) into L2 before the prep's programmatic-dependent wait: no
+// kernel writes them, and after the wait their DRAM latency would sit on the critical path (the
+// product before them streamed the layer's trellis through L2 since they were last read). The
+// norm's statistics read the whole row, so a normed prep's threads fetch their share of it;
+// otherwise a lane fetches only its own 4 values at k.
+__device__ __forceinline__ void open_prefetch(const PrepInput& in, int k, int n) {
+    auto fetch = [](const half* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); };
+    const int first = in.norm_w ? (int)threadIdx.x * 4 : k;
+    const int step = in.norm_w ? (int)blockDim.x * 4 : n;
+    for (int c = first; c < n; c += step) {
+        fetch(in.xo.svh + c);
+        if (in.xo.bias) fetch(in.xo.bias + c);
+        if (in.uo.z) {
+            fetch(in.uo.svh + c);
+            if (in.uo.bias) fetch(in.uo.bias + c);
+        }
+    }
+}
+
+// The output transform of the loaded sums: the operations of the product's own output stage
+// (gv_finish_row) and had128_f32 in their order, so the bits are those of the finished output.
+// Every lane of the warp takes part (the Hadamard's shuffles).
+__device__ __forceinline__ uint2 open_finish(const OpenLoad& l, int lane, bool has_bias) {
+    float v[4] = {l.f.x, l.f.y, l.f.z, l.f.w};
+    wht128_lane4(v, lane);
+    half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
+    half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
+    o0 = __hmul2(o0, as_h2(l.sv.x));
+    o1 = __hmul2(o1, as_h2(l.sv.y));
+    if (has_bias) {
+        o0 = __hadd2(o0, as_h2(l.bv.x));
+        o1 = __hadd2(o1, as_h2(l.bv.y));
+    }
+    return make_uint2(as_u32(o0), as_u32(o1));
 }
 
 // x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
@@ -79,20 +136,47 @@ __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
 // per thread, and reduces through shared memory. Session 5 measured ~5 us per prep while each
 // warp read its whole row itself (8 warps x 16 KB from L2 on one SM, in four dependent batches);
 // this is one batch of 16 KB per block.
+// OPEN: x is open sums (in.xo); a batch of 4 of the thread's chunks is loaded before any is
+// transformed, one L2 round trip per batch instead of one per chunk.
+template <bool OPEN = false>
 __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r_first, int r_last, int n) {
     constexpr int kWarps = 8;  // prep and product blocks are 256 threads
     __shared__ float part[kWarps][kWarps];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float ss[kWarps];
+    auto add_squares = [](float& acc, uint2 v) {
+        const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
+        acc += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+    };
 #pragma unroll
     for (int lr = 0; lr < kWarps; ++lr) {
         ss[lr] = 0.f;
         if (r_first + lr <= r_last) {
+            if constexpr (OPEN) {
+                constexpr int kBatch = 4;
+                for (int c0 = threadIdx.x * 4; c0 < n; c0 += kBatch * kWarps * 128) {
+                    OpenLoad l[kBatch];
+                    uint2 rv[kBatch];
+#pragma unroll
+                    for (int j = 0; j < kBatch; ++j) {
+                        const int c = c0 + j * kWarps * 128;
+                        if (c < n) {  // warp-uniform: n is a multiple of 128
+                            l[j] = open_load(in.xo, r_first + lr, c);
+                            if (in.res) rv[j] = *reinterpret_cast<const uint2*>(in.res + (size_t)(r_first + lr) * in.ldx + c);
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < kBatch; ++j) {
+                        if (c0 + j * kWarps * 128 < n) {
+                            uint2 v = open_finish(l[j], lane, in.xo.bias != nullptr);
+                            if (in.res) v = add4(v, rv[j]);
+                            add_squares(ss[lr], v);
+                        }
+                    }
+                }
+            } else {
 #pragma unroll 4
-            for (int c = threadIdx.x * 4; c < n; c += kWarps * 128) {
-                const uint2 v = norm_input(in, r_first + lr, c);
-                const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
-                ss[lr] += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+                for (int c = threadIdx.x * 4; c < n; c += kWarps * 128) add_squares(ss[lr], norm_input(in, r_first + lr, c));
             }
         }
     }
@@ -138,6 +222,19 @@ struct LaneRaw {
         if (in.norm_w && in.res) aux = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
         if (in.up) aux = *reinterpret_cast<const uint2*>(in.up + (size_t)r * in.ldu + k);
     }
+    // prep_frag<OPEN>: x (and up) from open sums, every load issued before the transforms.
+    __device__ __forceinline__ static LaneRaw from_open(const PrepInput& in, int r, int k) {
+        const int lane = (k >> 2) & 31;
+        const OpenLoad lx = open_load(in.xo, r, k);
+        OpenLoad lu;
+        LaneRaw raw;
+        raw.aux = make_uint2(0u, 0u);
+        if (in.uo.z) lu = open_load(in.uo, r, k);
+        else if (in.norm_w && in.res) raw.aux = *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k);
+        raw.x = open_finish(lx, lane, in.xo.bias != nullptr);
+        if (in.uo.z) raw.aux = open_finish(lu, lane, in.uo.bias != nullptr);
+        return raw;
+    }
     // x + residual where the norm has one (the residual stream), else x.
     __device__ __forceinline__ uint2 sum(const PrepInput& in) const {
         if (!(in.norm_w && in.res)) return x;
@@ -147,6 +244,7 @@ struct LaneRaw {
 
 // The product's input from a lane's raw values: rms_norm(x (+ residual)) * w given the row's
 // 1 / rms, act(gate) * up, or x.
+template <bool OPEN = false>
 __device__ __forceinline__ uint2 lane_input(const PrepInput& in, const LaneRaw& raw, float inv, uint2 w) {
     if (in.norm_w) {
         const uint2 own = raw.sum(in);
@@ -154,7 +252,7 @@ __device__ __forceinline__ uint2 lane_input(const PrepInput& in, const LaneRaw& 
         return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
                           as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
     }
-    if (in.up) return gated4(raw.x, raw.aux, in.act);
+    if (OPEN ? in.uo.z != nullptr : in.up != nullptr) return gated4(raw.x, raw.aux, in.act);
     return raw.x;
 }
 
@@ -170,14 +268,16 @@ __device__ __forceinline__ void lane_xh(uint2 xv, uint2 suh, int lane, half2& o0
 }
 
 // This lane's 4 values k..k+3 of xh for row r; inv is the row's 1 / rms where the norm is on
-// (block_row_inv) and write_sum selects the warps that store x + residual.
+// (block_row_inv) and write_sum selects the warps that store x + residual. OPEN: x (and up) are
+// open sums.
+template <bool OPEN = false>
 __device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeights& wt, int r, int k,
                                              int lane, half2& o0, half2& o1, float inv = 0.f,
                                              bool write_sum = false) {
-    const LaneRaw raw(in, r, k);
+    const LaneRaw raw = OPEN ? LaneRaw::from_open(in, r, k) : LaneRaw(in, r, k);
     if (write_sum && in.norm_w && in.res)
         *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = raw.sum(in);
-    lane_xh(lane_input(in, raw, inv, wt.norm_w), wt.suh, lane, o0, o1);
+    lane_xh(lane_input<OPEN>(in, raw, inv, wt.norm_w), wt.suh, lane, o0, o1);
 }
 
 // The MUL1 integer path's two int8 passes of one 128-chunk: q1 at step s1 = absmax / 127, q2 the

@@ -22,6 +22,17 @@ inline int current_device_attr() {
 // Rows of x handled by one pass of the fused product; larger m loops over row chunks.
 constexpr int kMaxFusedRows = 32;
 
+// A product's output left open: its split-k sums z (fp32, row stride ld), before the output
+// transform (had128 / sqrt(128), svh, bias) that the kernel reading it applies as it reads
+// (prep_frag), so the product needs no completion count and no output stage of its own. The
+// reader's product zeroes z after its programmatic-dependent wait (MmArgs::zero_after).
+struct OpenSums {
+    const float* z = nullptr;  // nullptr: not open
+    int ld = 0;
+    const half* svh = nullptr;
+    const half* bias = nullptr;  // optional
+};
+
 // A normed product input, rms_norm(x (+ residual)) * w over the whole row (see prep_frag).
 struct PrepNorm {
     const half* w = nullptr;
@@ -105,6 +116,11 @@ struct MmArgs {
     // in / 128 blocks and this product's output stage scales by rsqrt(sum / in + in_eps).
     const float* in_part = nullptr;
     float in_eps = 0.f;
+    // Version 3, per-warp kernel: zero_n floats at zero_after (the open sums this product's prep
+    // read, see OpenSums) are zeroed after the kernel's programmatic-dependent wait, when that
+    // prep has finished reading them.
+    float* zero_after = nullptr;
+    int zero_n = 0;
 };
 
 // xh = fp16(had128(fp16(x * suh)) / sqrt(128)) for rows of x; with sq non-null also the two int8
@@ -122,10 +138,13 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // gated_act rounds it: a gated MLP's down projection without the separate activation launch.
 // norm.w != nullptr: the input is rms_norm(x (+ norm.residual)) * norm.w over the whole row of
 // `in` values (x and residual row-major with stride ldx); x + residual goes to norm.residual_out.
+// xo.z / uo.z != nullptr: x / up is the open output of the product before (OpenSums) and x / up
+// is not read; the residual then has row stride `in`.
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
                       const half* up = nullptr, int ldu = 0, int act = 0,
-                      const PrepNorm& norm = PrepNorm{});
+                      const PrepNorm& norm = PrepNorm{}, const OpenSums& xo = OpenSums{},
+                      const OpenSums& uo = OpenSums{});
 
 // Groups of B columns the version-3 kernel uses for m rows (the xb layout depends on it).
 inline int gemv_groups(int m, bool int8) {

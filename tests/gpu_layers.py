@@ -46,3 +46,23 @@ def kernels_run(fn, name_part: str = "gemv") -> set[str]:
         fn()
         torch.cuda.synchronize()
     return {e.name for e in prof.events() if name_part in e.name}
+
+
+def same_top(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a's top token is b's, or one whose logit in b is within the two's difference of b's top:
+    a random test model has near ties that fp16 rounding may break either way."""
+    a, b = a.float(), b.float()
+    pick = a.argmax(-1, keepdim=True)
+    return bool((b.gather(-1, pick) >= b.max(-1, keepdim=True).values - 2 * (a - b).abs().max()).all())
+
+
+def replayed_logits(model, ids: torch.Tensor, prompt: int = 30, max_len: int = 64) -> list[torch.Tensor]:
+    """Logits of a prefill of ids[:, :prompt] and then one graph-replayed step per further token
+    (a fresh GraphDecoder, which must not have fallen back to eager steps)."""
+    from engine.generate.graph_decode import GraphDecoder
+    from tests.test_static_cache import decode_logits
+
+    decoder = GraphDecoder(model)
+    logits = decode_logits(model, decoder.new_cache(ids.shape[0], max_len), ids, prompt=prompt, step=decoder.step)
+    assert decoder.disabled is None, decoder.disabled
+    return logits

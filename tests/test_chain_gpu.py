@@ -32,7 +32,7 @@ def chains(monkeypatch):
 
 
 def _zero_state():
-    for w in ops._workspaces.values():
+    for w in ops.workspaces():
         assert float(w.abs().max()) == 0.0
     for c in list(ops._counters.values()) + list(chain._pair_counters.values()):
         assert int(c.abs().max()) == 0

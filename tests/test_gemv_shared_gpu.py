@@ -24,7 +24,7 @@ BENCH_CONFIGS = (32, 33, 34)
 
 
 def workspaces_zero():
-    return all(float(w.abs().max()) == 0.0 for w in ops._workspaces.values())
+    return all(float(w.abs().max()) == 0.0 for w in ops.workspaces())
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 from engine.generate import SamplerSettings, generate  # noqa: E402
 from engine.generate.graph_decode import GraphDecoder, graph_decoder  # noqa: E402
 from engine.models import load_model  # noqa: E402
+from tests.gpu_layers import replayed_logits, same_top  # noqa: E402
 from tests.test_static_cache import FAMILIES, assert_same_logits, decode_logits, tiny_model  # noqa: E402
 
 TAG = "llama-4.0bpw-mul1-h6"
@@ -53,7 +54,7 @@ def test_replay_equals_eager_on_exl3_fixture(fixture_model, batch):
     assert_same_logits(replayed, eager, rel=1e-2)
     for r, p in zip(replayed, plain):              # another attention kernel: fp16 rounding apart
         assert _rel_rms(r, p) < 1e-2
-        assert torch.equal(r.argmax(-1), p.argmax(-1))
+        assert same_top(r, p)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -87,13 +88,11 @@ def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatc
     for kernel in (True, False):
         monkeypatch.setattr(ops, "ATTN_KERNEL", kernel)
         served.clear()
-        decoder = GraphDecoder(fixture_model)
-        logits[kernel] = decode_logits(fixture_model, decoder.new_cache(1, 64), ids, prompt=30, step=decoder.step)
-        assert decoder.disabled is None, decoder.disabled
+        logits[kernel] = replayed_logits(fixture_model, ids)
         assert any(served) == kernel
     for a, b in zip(logits[True], logits[False]):
         assert _rel_rms(a, b) < 1e-2
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert same_top(a, b)
 
 
 def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):

@@ -70,7 +70,7 @@ def test_non_contiguous_input_and_repeat_calls_keep_workspace_clean():
     first = ops.exl3_gemm(x, t)
     second = ops.exl3_gemm(x, t)
     assert rel_rms(first, want) < 2e-3 and rel_rms(second, want) < 2e-3
-    for w in ops._workspaces.values():
+    for w in ops.workspaces():
         assert float(w.abs().max()) == 0.0
 
 
@@ -112,7 +112,7 @@ def test_occupancy_configurations_match_reference(variant):
             y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
             err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
             assert err < 2e-3, (variant, rows, int8, err)
-    for w in ops._workspaces.values():
+    for w in ops.workspaces():
         assert float(w.abs().max()) == 0.0
 
 
@@ -264,7 +264,7 @@ def test_grouped_product_matches_members(K, cb):
     first = [y.clone() for y in ops.exl3_gemm_group(x, g)]
     for a, b in zip(first, ops.exl3_gemm_group(x, g)):
         assert rel_rms(b, a) < 1e-3
-    for w in ops._workspaces.values():
+    for w in ops.workspaces():
         assert float(w.abs().max()) == 0.0
 
 

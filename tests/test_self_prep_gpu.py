@@ -55,7 +55,7 @@ def test_self_prepped_product_matches_reference_and_prep_path(n_in, n_out, K):
         sep = ops.exl3_gemm(x, t, mode="fused", int8=True)
     assert rel_rms(own, want) < 2e-3
     assert rel_rms(own, sep) < 1e-3
-    for w in ops._workspaces.values():
+    for w in ops.workspaces():
         assert float(w.abs().max()) == 0.0
 
 

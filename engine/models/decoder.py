@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.softcap = c.attn_logit_softcapping
         self.qkv: QuantLinearGroup | None = None  # set by fuse_projections on the GPU
         # Set by a layer whose next reader launches deferred products (engine/ops/chain.py): the
-        # output may then be an ops.Deferred.
+        # output may then be an ops.Deferred (chains) or ops.OpenSums (open sums).
         self.defer_output = False
 
     def fuse_projections(self, device_type: str | None) -> bool:
@@ -107,7 +107,8 @@ class DecoderLayer(nn.Module):
             c.hidden_act,
         )
         # Both outputs go to a norm that a grouped product reads (residual_forward), so on the GPU
-        # they may stay deferred: that product launches them, their output stage writing its input.
+        # they may stay deferred (chains: that product launches them, their output stage writing
+        # its input) or open (open sums: that product's prep finishes them).
         self.self_attn.defer_output = self.mlp.defer_output = True
 
     def forward(self, x, cos, sin, mask, cache):

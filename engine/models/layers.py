@@ -121,12 +121,16 @@ class QuantLinear(DenseLinear):
             return ops.defer_linear(x, self.exl3, self.out_features)
         return self(x)
 
-    def gated_forward(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    def gated_forward(self, gate: "torch.Tensor | ops.OpenSums", up: "torch.Tensor | ops.OpenSums", act: str,
+                      open_out: bool = False) -> "torch.Tensor | ops.OpenSums":
         """self(gated_act(gate, up, act)); compressed on the GPU, the activation is computed by
-        the product's input prep instead of a launch of its own."""
+        the product's input prep instead of a launch of its own. gate and up may be open sums;
+        open_out: the output may stay open (ops.OpenSums) for a product that reads it."""
         if self.compressed:
+            if open_out:
+                return ops.open_linear(gate, self.exl3, self.out_features, up=up, act=act)
             return ops.exl3_linear(gate, self.exl3, self.out_features, up=up, act=act)
-        return self(ops.gated_act(gate, up, act))
+        return self(ops.gated_act(ops.as_tensor(gate), ops.as_tensor(up), act))
 
 
 class QuantLinearGroup:
@@ -154,6 +158,10 @@ class QuantLinearGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         return ops.exl3_linear_group(x, self.group, self.out_features)
+
+    def open(self, x: "torch.Tensor | ops.PendingNorm") -> "list[torch.Tensor] | list[ops.OpenSums]":
+        """self(x), the outputs possibly left open (ops.OpenSums) for a product that reads them."""
+        return ops.open_linear_group(x, self.group, self.out_features)
 
     def split(self) -> None:
         """Give every member its own contiguous tensors again (one launch each afterwards)."""
@@ -283,7 +291,7 @@ class GatedMLP(nn.Module):
         self.act_name = check_activation(act)
         self.gate_up: QuantLinearGroup | None = None
         # Set by a layer whose next reader launches deferred products (engine/ops/chain.py): the
-        # output may then be an ops.Deferred.
+        # output may then be an ops.Deferred (chains) or ops.OpenSums (open sums).
         self.defer_output = False
 
     def fuse_projections(self, device_type: str | None) -> bool:
@@ -299,10 +307,12 @@ class GatedMLP(nn.Module):
             if out is not None:
                 return out
         if self.gate_up is not None:
-            gate, up = self.gate_up(x)
+            # gate/up's outputs may stay open sums where the down projection's prep reads them
+            compressed_down = isinstance(self.down_proj, QuantLinear) and self.down_proj.compressed
+            gate, up = self.gate_up.open(x) if compressed_down else self.gate_up(x)
         else:
             x = ops.as_tensor(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
         if isinstance(self.down_proj, QuantLinear):
-            return self.down_proj.gated_forward(gate, up, self.act_name)
+            return self.down_proj.gated_forward(gate, up, self.act_name, open_out=self.defer_output)
         return self.down_proj(ops.gated_act(gate, up, self.act_name))

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
+from engine.ops import open_sums as _open
 from engine.ops.chain import ChainOut, Deferred, PreparedInput
+from engine.ops.open_sums import OpenSums
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -51,12 +53,17 @@ if _DEFAULT_VARIANT < 10:
 # the H200 they were no faster than the prep kernels they replace (csrc/PERF_NOTES.md, session 7).
 CHAIN = os.environ.get("TRELLIS_CHAIN", "0") == "1"
 
+# Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
+# leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
+# take them: TRELLIS_OPEN_SUMS = 0 (none, the default), gated (the down projection's prep reads
+# gate/up), normed (the next norm's prep reads o_proj and down), 1 (both).
+OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
+
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
 _ext = None
 _ext_error: Exception | None = None
-_workspaces: dict[torch.device, torch.Tensor] = {}
 
 
 def kernels_enabled() -> bool:
@@ -147,10 +154,15 @@ def _zeroed(cache: dict, device: torch.device, numel: int, least: int, dtype: to
     return buf
 
 
-def workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """fp32 scratch for the fused product's split-k partial sums (the output kernel clears what it
-    read)."""
-    return _zeroed(_workspaces, device, numel, 32 * 131072, torch.float32)
+def workspace(device: torch.device, numel: int, avoid: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scratch for the fused product's split-k partial sums, all zero (the product's output
+    stage clears what it read). Not a buffer holding unread open sums, nor `avoid`."""
+    return _open.POOL.get(device, numel, avoid)
+
+
+def workspaces() -> list[torch.Tensor]:
+    """Every pooled workspace buffer (tests check they are left zero)."""
+    return [b for bufs in _open.POOL.buffers.values() for b in bufs]
 
 
 def block_counters(device: torch.device, numel: int) -> torch.Tensor:
@@ -223,9 +235,9 @@ def hadamard128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _fmt.hadamard128(x, dim)
 
 
-def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None,
-              version: int | None = None, up: torch.Tensor | None = None, act: str = "silu",
-              chain: ChainOut | None = None) -> torch.Tensor:
+def exl3_gemm(x: "torch.Tensor | OpenSums", t, *, mode: str = "auto", ksplit: int = 0, int8: bool | None = None,
+              version: int | None = None, up: "torch.Tensor | OpenSums | None" = None, act: str = "silu",
+              chain: ChainOut | None = None, open_out: bool = False) -> "torch.Tensor | OpenSums":
     """y = x @ W (+ bias) for an EXL3 linear `t` (EXL3Tensors-like: trellis, suh, svh,
     codebook, bias). x [..., in] (zero-extended if shorter than the padded `in`); returns
     [..., out_padded] in x's dtype on the CUDA path, fp32 on the reference path.
@@ -234,10 +246,19 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
     m <= 8 (None: up to INT8_MAX_ROWS rows). up: the input is gated_act(x, up, act) instead of x; the fused
     kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer).
-    chain: what the output stage also writes for the next product (one row, fused; chain.py)."""
+    chain: what the output stage also writes for the next product (one row, fused; chain.py).
+    Open sums (open_sums.py): x and up may be the open output of the product before, which this
+    product's prep finishes as it reads it; open_out returns this product's output as OpenSums
+    where it may stay open (else the finished tensor)."""
     in_f = t.trellis.shape[0] * 16
     version = MM_VERSION if version is None else version
     fused = mode == "fused" or (mode == "auto" and x.shape[:-1].numel() <= FUSED_MAX_ROWS)
+    if isinstance(x, OpenSums) or isinstance(up, OpenSums):
+        if (isinstance(x, OpenSums) and (up is None or isinstance(up, OpenSums)) and fused and version == 3
+                and chain is None and ksplit == 0 and _open.enabled() and _open.readable(x, up, in_f)
+                and act in _ACT_IDS and _use_cuda(t.suh, t.svh) and t.trellis.device == x.device):
+            return _open_product(x, up, act, t, int8, open_out)
+        x, up = as_tensor(x), (as_tensor(up) if up is not None else None)
     if up is not None:
         if act not in _ACT_IDS:
             raise ValueError(f"unsupported activation {act!r}")
@@ -260,17 +281,40 @@ def exl3_gemm(x: torch.Tensor, t, *, mode: str = "auto", ksplit: int = 0, int8: 
     if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
         use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
-        counters = block_counters(x.device, out_f // 128) if version == 3 else None
+        leave_open = (open_out and version == 3 and chain is None and ksplit == 0
+                      and _open.can_leave_open(rows, t, x.device))
+        counters = block_counters(x.device, out_f // 128) if version == 3 and not leave_open else None
         up2 = None if up is None else _kernel_rows(up, in_f)
         y = ext.exl3_gemm(x2, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, ksplit, int(use_i8),
                           version, counters, [], up2, _ACT_IDS[act] if up2 is not None else 0, None, 0.0, None, None,
-                          [], *_chain_args(chain))
+                          [], *_chain_args(chain), [], None, leave_open)
+        if leave_open:
+            return _open.wrap(y, t.svh, bias, ws, [(0, out_f)], tuple(lead), x.dtype)[0]
     else:
         xh = ext.had128(x2, t.suh, None, None)
         w_hat = ext.exl3_reconstruct(t.trellis, CODEBOOK_IDS[t.codebook])
         z = torch.matmul(xh, w_hat)
         y = ext.had128(z, None, t.svh, bias)
     return y.reshape(*lead, out_f)
+
+
+def _open_product(x: OpenSums, up: OpenSums | None, act: str, t, int8: bool | None,
+                  open_out: bool) -> "torch.Tensor | OpenSums":
+    """exl3_gemm of an open input (x, or act(x) * up from one gate/up region): the prep finishes
+    the sums as it reads them and the product zeroes them."""
+    rows, out_f = x.rows, t.trellis.shape[1] * 16
+    xs, us, post, zero = _open.take(x, up)
+    ws = workspace(x.device, rows * out_f, avoid=zero)
+    use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
+    leave_open = open_out and _open.can_leave_open(rows, t, x.device)
+    bias = _padded_bias(t, out_f)
+    counters = None if leave_open else block_counters(x.device, out_f // 128)
+    y = extension().exl3_gemm(xs, t.suh, t.svh, t.trellis, bias, CODEBOOK_IDS[t.codebook], ws, 0, int(use_i8), 3,
+                              counters, [], us, _ACT_IDS[act] if us is not None else 0, None, 0.0, None, None,
+                              [], [], 0, 0, post, zero, leave_open)
+    if leave_open:
+        return _open.wrap(y, t.svh, bias, ws, [(0, out_f)], x.lead, x.dtype)[0]
+    return y.reshape(*x.lead, out_f)
 
 
 def _no_chain(chain: ChainOut | None) -> None:
@@ -298,19 +342,30 @@ def _kernel_rows(x: torch.Tensor, in_f: int) -> torch.Tensor:
     return x2
 
 
-def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str = "auto",
-                    int8: bool | None = None, chain: ChainOut | None = None) -> list[torch.Tensor]:
+def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *, mode: str = "auto",
+                    int8: bool | None = None, chain: ChainOut | None = None,
+                    open_out: bool = False) -> "list[torch.Tensor] | list[OpenSums]":
     """[x @ W_i (+ bias_i) for each member i of the group], each [..., out_i padded]. On the GPU
     one prep and one product launch serve every member (the prep writes each member's
     activations, int8 steps and sums); prefills reconstruct the joined W-hat once. Elsewhere
     each member's reference product. int8 as in exl3_gemm. x may be a PendingNorm: the fused
     product's prep then computes the norm (and the residual sum) itself; where its x is a Deferred
     product, that product's output stage writes this one's input (chain.py). chain: what this
-    product's output stage writes for the next one (one row, fused)."""
+    product's output stage writes for the next one (one row, fused). x (or the norm's x) may be
+    open sums, and open_out leaves this product's outputs open where it may (open_sums.py)."""
     in_f = g.trellis.shape[0] * 16
     rows = x.shape[:-1].numel()
     fused = mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS)
     norm = None
+    open_ok = fused and chain is None and _open.enabled() and g.trellis.is_cuda and _use_cuda(g.suh, g.svh)
+    if isinstance(x, PendingNorm) and isinstance(x.x, OpenSums):
+        if open_ok and x.fusable(in_f) and x.x.device == g.trellis.device:
+            return _open_group(x.x, x, g, int8, open_out)
+        x.x = x.x.value()
+    if isinstance(x, OpenSums):
+        if open_ok and _open.readable(x, None, in_f) and x.device == g.trellis.device:
+            return _open_group(x, None, g, int8, open_out)
+        x = x.value()
     if isinstance(x, PendingNorm) and isinstance(x.x, Deferred):
         y = _chain.chain_into_group(x, g, chain) if fused and (int8 is None or int8) else None
         if y is not None:
@@ -334,16 +389,13 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str 
     cb = CODEBOOK_IDS[g.codebook]
     if fused:
         ws = workspace(x.device, min(rows, 32) * out_f)
-        counters = block_counters(x.device, out_f // 128)
+        leave_open = open_out and chain is None and _open.can_leave_open(rows, g, x.device)
+        counters = None if leave_open else block_counters(x.device, out_f // 128)
         use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
-        norm_args = (None, 0.0, None, None)
-        if norm is not None:
-            res = None if norm.residual is None else norm.residual.reshape(-1, in_f)
-            res_out = None if res is None else torch.empty_like(res)
-            norm_args = (norm.weight, norm.eps, res, res_out)
-            norm.sum = norm.x if res_out is None else res_out.view(norm.x.shape)
         y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, int(use_i8), 3, counters, g.seg_cols,
-                          None, 0, *norm_args, [], *_chain_args(chain))
+                          None, 0, *_norm_args(norm, in_f), [], *_chain_args(chain), [], None, leave_open)
+        if leave_open:
+            return _open.wrap(y, g.svh, g.bias, ws, g.bounds, tuple(lead), x.dtype)
     else:
         w_hat = ext.exl3_reconstruct(g.trellis, cb)
         z = torch.cat([torch.matmul(ext.had128(x2.contiguous(), g.suh[i], None, None), w_hat[:, a:b])
@@ -353,10 +405,60 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, *, mode: str 
     return [y[..., a:b] for a, b in g.bounds]
 
 
+def _norm_args(norm: "PendingNorm | None", in_f: int) -> tuple:
+    """exl3_gemm's (norm_w, eps, residual, residual_out) for a prep that computes `norm`, whose
+    sum (the residual stream) is then residual_out."""
+    if norm is None:
+        return (None, 0.0, None, None)
+    res = None if norm.residual is None else norm.residual.reshape(-1, in_f)
+    res_out = None if res is None else torch.empty_like(res)
+    norm.sum = norm.x if res_out is None else res_out.view(norm.x.shape)
+    return (norm.weight, norm.eps, res, res_out)
+
+
+def _open_group(x: OpenSums, norm: "PendingNorm | None", g: EXL3Group, int8: bool | None,
+                open_out: bool) -> "list[torch.Tensor] | list[OpenSums]":
+    """exl3_gemm_group of open sums x (under `norm` if given): the prep finishes them as it reads
+    them and the product zeroes them."""
+    in_f, out_f, rows = g.trellis.shape[0] * 16, g.trellis.shape[1] * 16, x.rows
+    xs, _, post, zero = _open.take(x, None)
+    ws = workspace(x.device, rows * out_f, avoid=zero)
+    leave_open = open_out and _open.can_leave_open(rows, g, x.device)
+    use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
+    counters = None if leave_open else block_counters(x.device, out_f // 128)
+    y = extension().exl3_gemm(xs, g.suh, g.svh, g.trellis, g.bias, CODEBOOK_IDS[g.codebook], ws, 0, int(use_i8), 3,
+                              counters, g.seg_cols, None, 0, *_norm_args(norm, in_f), [], [], 0, 0, post, zero,
+                              leave_open)
+    if leave_open:
+        return _open.wrap(y, g.svh, g.bias, ws, g.bounds, x.lead, x.dtype)
+    y = y.reshape(*x.lead, out_f)
+    return [y[..., a:b] for a, b in g.bounds]
+
+
 def exl3_linear_group(x: torch.Tensor, g: EXL3Group, out_features: list[int]) -> list[torch.Tensor]:
     """A model's grouped linears (q/k/v, gate/up): exl3_gemm_group, each output trimmed to its
     logical width, in x's dtype."""
     return [(y if y.shape[-1] == n else y[..., :n]).to(x.dtype) for y, n in zip(exl3_gemm_group(x, g), out_features)]
+
+
+def open_linear_group(x: "torch.Tensor | PendingNorm", g: EXL3Group, out_features: list[int],
+                      kind: str = "gated") -> "list[torch.Tensor] | list[OpenSums]":
+    """exl3_linear_group whose outputs may stay open sums (open_sums.py) for a reader of `kind`
+    whose prep finishes them: where that kind is on and no member's output is trimmed."""
+    if _open.wanted(kind) and all(b - a == n for (a, b), n in zip(g.bounds, out_features)):
+        ys = exl3_gemm_group(x, g, open_out=True)
+        return ys if isinstance(ys[0], OpenSums) else [y.to(x.dtype) for y in ys]
+    return exl3_linear_group(x, g, out_features)
+
+
+def open_linear(x: "torch.Tensor | OpenSums", t, out_features: int, *, up: "torch.Tensor | OpenSums | None" = None,
+                act: str = "silu", kind: str = "normed") -> "torch.Tensor | OpenSums":
+    """exl3_linear whose output may stay open sums (open_sums.py) for a reader of `kind` whose
+    prep finishes them: where that kind is on and the output is not trimmed."""
+    if _open.wanted(kind) and t.trellis.shape[1] * 16 == out_features:
+        y = exl3_gemm(x, t, up=up, act=act, open_out=True)
+        return y if isinstance(y, OpenSums) else y.to(x.dtype)
+    return exl3_linear(x, t, out_features, up=up, act=act)
 
 
 def exl3_linear(x: torch.Tensor, t, out_features: int | None = None, *, up: torch.Tensor | None = None,
@@ -413,7 +515,7 @@ class PendingNorm:
         return self.x.dtype
 
     def value(self) -> torch.Tensor:
-        if isinstance(self.x, Deferred):
+        if isinstance(self.x, (Deferred, OpenSums)):
             self.x = self.x.value()
         if self.normed is None:
             if self.residual is None:
@@ -426,14 +528,20 @@ class PendingNorm:
         """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width."""
         if isinstance(self.x, Deferred):
             return False
-        rows = [self.x] if self.residual is None else [self.x, self.residual]
+        if isinstance(self.x, OpenSums):
+            # the prep finishes them (open_sums.py); the residual stream it writes needs a residual
+            if self.residual is None or not _open.readable(self.x, None, in_features):
+                return False
+            rows = [self.residual]
+        else:
+            rows = [self.x] if self.residual is None else [self.x, self.residual]
         return (self.normed is None and GLUE_KERNELS and _use_cuda(self.weight, *rows)
                 and self.x.shape[-1] == in_features and self.weight.is_contiguous()
                 and all(t.shape == self.x.shape and t.is_contiguous() and t.data_ptr() % 8 == 0 for t in rows))
 
 
-def as_tensor(x: "torch.Tensor | PendingNorm | Deferred") -> torch.Tensor:
-    return x.value() if isinstance(x, (PendingNorm, Deferred)) else x
+def as_tensor(x: "torch.Tensor | PendingNorm | Deferred | OpenSums") -> torch.Tensor:
+    return x.value() if isinstance(x, (PendingNorm, Deferred, OpenSums)) else x
 
 
 def as_sum(p: PendingNorm) -> torch.Tensor:
@@ -511,6 +619,7 @@ attention_into_chain = _chain.attention_into_chain
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
     "can_group", "defer_linear", "gated_chain", "attention_into_chain", "Deferred", "exl3_reconstruct",
+    "OpenSums", "open_linear", "open_linear_group", "workspaces",
     "hadamard128", "rms_norm", "add_rms_norm",
     "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
     "extension",

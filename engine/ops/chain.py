@@ -155,7 +155,8 @@ def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: P
     stand_in = torch.empty(1, in_f, dtype=torch.float16, device=device)  # gives m; never read
     return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook],
                                      ops.workspace(device, out_f), 0, 1, 3, ops.block_counters(device, out_f // 128),
-                                     seg_cols, None, 0, None, x.eps, None, None, x.tensors(), *ops._chain_args(chain))
+                                     seg_cols, None, 0, None, x.eps, None, None, x.tensors(), *ops._chain_args(chain),
+                                     [], None, False)
 
 
 def _chains_on() -> bool:
@@ -187,12 +188,13 @@ def _writes_chain(t) -> bool:
 
 def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Deferred":
     """ops.exl3_linear(x, t, out_features), or, for one row on the GPU where chains are on, the same
-    product not launched yet (a Deferred): its reader may launch it with a chain output."""
+    product not launched yet (a Deferred): its reader may launch it with a chain output. Without
+    chains, its output may stay open sums (ops.open_linear) for the reader's prep to finish."""
     in_f = t.trellis.shape[0] * 16
     if (_chains_on() and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
             and t.trellis.is_cuda and _writes_chain(t)):
         return Deferred(x, t, out_features, x.dtype, tuple(x.shape[:-1]))
-    return ops.exl3_linear(x, t, out_features)
+    return ops.open_linear(x, t, out_features)
 
 
 _pair_counters: dict = {}  # per device: int32 per chunk pair, zero between calls
