@@ -206,7 +206,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         TORCH_CHECK(up->is_cuda() && up->scalar_type() == x.scalar_type() && up->dim() == 2 &&
                         up->size(0) == m && up->size(1) == in && up->stride(1) == 1 &&
                         up->stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(up->data_ptr()) % 8 == 0,
-                    "up must be an fp16 CUDA matrix shaped like x with 8-byte aligned rows");
+                    "up must be a CUDA matrix of x's dtype shaped like x with 8-byte aligned rows");
         TORCH_CHECK(act >= 0 && act <= 2, "act must be 0 (SiLU), 1 (GELU tanh) or 2 (GELU erf)");
     }
     trellis::PrepNorm norm;
