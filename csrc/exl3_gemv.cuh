@@ -198,16 +198,7 @@ __device__ __forceinline__ void gv_block_weights(const half* __restrict__ svh, c
 __device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __restrict__ yr, uint2 sv, uint2 bv,
                                               bool has_bias, int lane) {
     float v[4] = {f.x, f.y, f.z, f.w};
-    wht128_lane4(v, lane);
-    half2 o0 = __floats2half2_rn(v[0] * scale, v[1] * scale);
-    half2 o1 = __floats2half2_rn(v[2] * scale, v[3] * scale);
-    o0 = __hmul2(o0, as_h2(sv.x));
-    o1 = __hmul2(o1, as_h2(sv.y));
-    if (has_bias) {
-        o0 = __hadd2(o0, as_h2(bv.x));
-        o1 = __hadd2(o1, as_h2(bv.y));
-    }
-    *reinterpret_cast<uint2*>(yr) = make_uint2(as_u32(o0), as_u32(o1));
+    *reinterpret_cast<uint2*>(yr) = finish_lane4(v, lane, scale, sv, bv, has_bias);
 }
 
 // The output transform of one finished 128-column block (see finish_block in the kernel), a row

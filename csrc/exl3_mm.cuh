@@ -92,6 +92,23 @@ __device__ __forceinline__ void wht128_lane4(float v[4], int lane) {
 
 constexpr float kHadNorm = 0.088388347648318f;  // 1/sqrt(128)
 
+// A product's output transform of one lane's 4 split-k sums (k = 128 b + 4 lane): had128 times
+// scale, one fp16 rounding, times svh, plus the bias if there is one. The product's output stage
+// (gv_finish_row) and the prep that reads open sums (open_finish) share it, so both give the
+// same bits; had128_f32 does the same operations in the same order.
+__device__ __forceinline__ uint2 finish_lane4(float v[4], int lane, float scale, uint2 sv, uint2 bv, bool has_bias) {
+    wht128_lane4(v, lane);
+    half2 o0 = __floats2half2_rn(v[0] * scale, v[1] * scale);
+    half2 o1 = __floats2half2_rn(v[2] * scale, v[3] * scale);
+    o0 = __hmul2(o0, as_h2(sv.x));
+    o1 = __hmul2(o1, as_h2(sv.y));
+    if (has_bias) {
+        o0 = __hadd2(o0, as_h2(bv.x));
+        o1 = __hadd2(o1, as_h2(bv.y));
+    }
+    return make_uint2(as_u32(o0), as_u32(o1));
+}
+
 // Timing probes (0 = normal): 1 skips the decode, 2 skips the MMAs. Set from Python for the
 // "which stage limits" measurements of bench.linear; never used for real work.
 inline int& mm_debug_variant() {

@@ -107,21 +107,11 @@ __device__ __forceinline__ void open_prefetch(const PrepInput& in, int k, int n)
     }
 }
 
-// The output transform of the loaded sums: the operations of the product's own output stage
-// (gv_finish_row) and had128_f32 in their order, so the bits are those of the finished output.
-// Every lane of the warp takes part (the Hadamard's shuffles).
+// The output transform of the loaded sums (finish_lane4, the product's own output stage), so
+// the bits are those of the finished output. Every lane of the warp takes part (the shuffles).
 __device__ __forceinline__ uint2 open_finish(const OpenLoad& l, int lane, bool has_bias) {
     float v[4] = {l.f.x, l.f.y, l.f.z, l.f.w};
-    wht128_lane4(v, lane);
-    half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
-    half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
-    o0 = __hmul2(o0, as_h2(l.sv.x));
-    o1 = __hmul2(o1, as_h2(l.sv.y));
-    if (has_bias) {
-        o0 = __hadd2(o0, as_h2(l.bv.x));
-        o1 = __hadd2(o1, as_h2(l.bv.y));
-    }
-    return make_uint2(as_u32(o0), as_u32(o1));
+    return finish_lane4(v, lane, kHadNorm, l.sv, l.bv, has_bias);
 }
 
 // x + residual for one lane's 4 values (the rms_norm kernel's fp16 add).
