@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 
 
-OPEN_PATHS = {"cuda-graph-noopen": frozenset(), "cuda-graph-open": frozenset({"gated", "normed"}),
-              "cuda-graph-opengated": frozenset({"gated"}), "cuda-graph-opennormed": frozenset({"normed"})}
+# Open-sums paths: their TRELLIS_OPEN_SUMS setting.
+OPEN_PATHS = {"cuda-graph-noopen": "0", "cuda-graph-open": "1", "cuda-graph-opengated": "gated",
+              "cuda-graph-opennormed": "normed"}
 
 # Timing probes of the products' fixed cost (csrc/exl3_gemv.cuh, VAR 4-6; wrong tokens).
 PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6}
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
                          "kernel before every product / decode products prep their own input), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
-                         "before every product)")
+                         "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
+                         "cuda-graph-launchonly / -notail / -nofinish (timing probes of the products' fixed cost)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batch", nargs="+", type=int, default=[1],
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "decode", "error": "no CUDA device"}))
         return 1
     from engine import ops
+    from engine.ops import open_sums
 
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
         ops.GLUE_KERNELS = path != "cuda-graph-noglue"
         ops.INT8_MAX_ROWS = {"cuda-graph-int8": 4, "cuda-graph-fp16": 0}.get(path, int8_default)
         ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
-        ops.OPEN_SUMS = OPEN_PATHS.get(path, open_default)
+        ops.OPEN_SUMS = open_sums.parse_setting(OPEN_PATHS[path]) if path in OPEN_PATHS else open_default
         ops.CHAIN = path == "cuda-graph-chain" or (chain_default and path not in (
             "cuda-graph-nochain", "cuda-graph-noprep", "cuda-graph-sepprep", "cuda-graph-selfprep"))
         if kind == "cuda":

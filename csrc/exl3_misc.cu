@@ -170,8 +170,8 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
-    if (xo.z) return launch_glue(prep_frag_kernel<true>, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
-    return launch_glue(prep_frag_kernel<false>, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
+    auto* kernel = xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
+    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

@@ -48,6 +48,14 @@ def kernels_run(fn, name_part: str = "gemv") -> set[str]:
     return {e.name for e in prof.events() if name_part in e.name}
 
 
+def workspaces_zero() -> bool:
+    """Every pooled workspace of the fused product is zero again (each product, or the reader of
+    its open sums, leaves the one it used so)."""
+    from engine import ops
+
+    return all(float(w.abs().max()) == 0.0 for w in ops.workspaces())
+
+
 def same_top(a: torch.Tensor, b: torch.Tensor) -> bool:
     """a's top token is b's, or one whose logit in b is within the two's difference of b's top:
     a random test model has near ties that fp16 rounding may break either way."""

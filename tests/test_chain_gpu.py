@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.ops import chain  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
+from tests.gpu_layers import workspaces_zero  # noqa: E402
 from tests.test_self_prep_gpu import rand_layer, rel_rms  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -32,8 +33,7 @@ def chains(monkeypatch):
 
 
 def _zero_state():
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
     for c in list(ops._counters.values()) + list(chain._pair_counters.values()):
         assert int(c.abs().max()) == 0
 

@@ -15,16 +15,12 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms  # noqa: E402
+from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both)
 SHARED, PER_WARP = 30, 31
 BENCH_CONFIGS = (32, 33, 34)
-
-
-def workspaces_zero():
-    return all(float(w.abs().max()) == 0.0 for w in ops.workspaces())
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.ops import open_sums  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import replayed_logits, same_top  # noqa: E402
+from tests.gpu_layers import replayed_logits, same_top, workspaces_zero  # noqa: E402
 from tests.test_self_prep_gpu import rand_layer, rel_rms  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -34,9 +34,7 @@ def open_on(monkeypatch):
 
 
 def _workspaces_zero():
-    torch.cuda.synchronize()
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
     for c in ops._counters.values():
         assert int(c.abs().max()) == 0
 

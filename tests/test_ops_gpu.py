@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import capture, kernels_run, rand_layer, rel_rms  # noqa: E402
+from tests.gpu_layers import capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
 CODEBOOKS = ["3inst", "mcg", "mul1"]
 DEV = torch.device("cuda")
@@ -70,8 +70,7 @@ def test_non_contiguous_input_and_repeat_calls_keep_workspace_clean():
     first = ops.exl3_gemm(x, t)
     second = ops.exl3_gemm(x, t)
     assert rel_rms(first, want) < 2e-3 and rel_rms(second, want) < 2e-3
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
 
 
 @pytest.mark.parametrize("cb", CODEBOOKS)
@@ -112,8 +111,7 @@ def test_occupancy_configurations_match_reference(variant):
             y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
             err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
             assert err < 2e-3, (variant, rows, int8, err)
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
 
 
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])
@@ -264,8 +262,7 @@ def test_grouped_product_matches_members(K, cb):
     first = [y.clone() for y in ops.exl3_gemm_group(x, g)]
     for a, b in zip(first, ops.exl3_gemm_group(x, g)):
         assert rel_rms(b, a) < 1e-3
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
 
 
 def test_grouped_projections_keep_model_logits(tmp_path):

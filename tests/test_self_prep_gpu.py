@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from tests import gpu_layers  # noqa: E402
-from tests.gpu_layers import rel_rms  # noqa: E402
+from tests.gpu_layers import rel_rms, workspaces_zero  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -55,8 +55,7 @@ def test_self_prepped_product_matches_reference_and_prep_path(n_in, n_out, K):
         sep = ops.exl3_gemm(x, t, mode="fused", int8=True)
     assert rel_rms(own, want) < 2e-3
     assert rel_rms(own, sep) < 1e-3
-    for w in ops.workspaces():
-        assert float(w.abs().max()) == 0.0
+    assert workspaces_zero()
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])

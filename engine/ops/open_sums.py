@@ -191,7 +191,7 @@ def can_leave_open(rows: int, t, device: torch.device) -> bool:
 def readable(x: OpenSums, up: "OpenSums | None", in_f: int) -> bool:
     """Whether a product's prep can read x (and up) as open sums: unread, the product's width,
     at most MAX_ROWS rows, one region for both (gate/up)."""
-    if x.region.read or x.region.finished is not None or x.cols != in_f or x.rows > MAX_ROWS:
+    if x.region.read or x.cols != in_f or x.rows > MAX_ROWS:  # value() marks them read too
         return False
     return up is None or (up.region is x.region and up.cols == in_f)
 
