@@ -15,11 +15,16 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-int8    cuda-graph with the MUL1 integer path up to 4 rows (TRELLIS_INT8=auto)
   cuda-graph-fp16    cuda-graph with the fp16 path only (TRELLIS_INT8=0)
   cuda-graph-sdpa    cuda-graph with SDPA for decode attention instead of our kernel
+  cuda-graph-noattnrope  cuda-graph with the RoPE kernel before decode attention (TRELLIS_ATTN_ROPE=0)
   cuda-graph-noprep  timing probe, wrong tokens: cuda-graph with the activation preps not launched,
               what the preps cost a step as it runs (the bound on fusing them away)
   cuda-graph-sepprep / cuda-graph-selfprep  cuda-graph with a prep kernel before every product /
               with the decode products prepping their own input (TRELLIS_SELF_PREP picks the
               default); both without decode chains, as is -noprep
+  cuda-graph-fourrows<N>  cuda-graph with four k rows per unit in products of at least N k-row
+              quads per resident warp (TRELLIS_GV_FOUR_ROW_UNITS picks the default)
+  cuda-graph-X+Y+...  the settings of cuda-graph-X, -Y, ... together (e.g.
+              cuda-graph-nochain+noattnrope+fourrows0: the defaults before session 12)
   cuda-graph-launchonly / -notail / -nofinish  timing probes, wrong tokens: the K = 4 products
               launched but returning at once / without their split-k tail (no atomics, count or
               output stage) / without count and output stage (csrc/exl3_gemv.cuh, VAR 4-6)
@@ -28,7 +33,8 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               prep only / the norms' preps only (TRELLIS_OPEN_SUMS picks the default, none)
   cuda-graph-chain / cuda-graph-nochain  cuda-graph with / without decode chains
               (engine/ops/chain.py: each product's output stage writes the next one's input, no
-              prep kernels between them; TRELLIS_CHAIN picks the default, off)
+              prep kernels between them; TRELLIS_CHAIN picks the default); -chainattn /
+              -chaingated / -chainnormed: one link only
 --breakdown adds, per graph path, kernels per token and their summed time against the wall time.
 --batch N decodes N sequences together (tokens_per_s counts all of them).
 Prints one JSON line per (path, batch, context).
@@ -39,6 +45,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -48,6 +55,11 @@ import torch
 # Open-sums paths: their TRELLIS_OPEN_SUMS setting.
 OPEN_PATHS = {"cuda-graph-noopen": "0", "cuda-graph-open": "1", "cuda-graph-opengated": "gated",
               "cuda-graph-opennormed": "normed"}
+
+# Decode-chain paths: their TRELLIS_CHAIN setting. The prep probes run without chains.
+CHAIN_PATHS = {"cuda-graph-nochain": "0", "cuda-graph-chain": "1", "cuda-graph-chainattn": "attn",
+               "cuda-graph-chaingated": "gated", "cuda-graph-chainnormed": "normed", "cuda-graph-noprep": "0",
+               "cuda-graph-sepprep": "0", "cuda-graph-selfprep": "0", **{p: "0" for p in OPEN_PATHS}}
 
 # Timing probes of the products' fixed cost (csrc/exl3_gemv.cuh, VAR 4-6; wrong tokens).
 PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6}
@@ -129,11 +141,14 @@ def main(argv=None) -> int:
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
-                         "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), "
+                         "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), cuda-graph-noattnrope "
+                         "(a RoPE kernel before decode attention), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
-                         "kernel before every product / decode products prep their own input), cuda-graph-chain / "
+                         "kernel before every product / decode products prep their own input), cuda-graph-chainattn / "
+                         "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
+                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-X+Y (both settings), "
                          "cuda-graph-launchonly / -notail / -nofinish (timing probes of the products' fixed cost)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
@@ -147,11 +162,12 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "decode", "error": "no CUDA device"}))
         return 1
     from engine import ops
-    from engine.ops import open_sums
+    from engine.ops import chain, open_sums
 
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
-    int8_default, attn_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL
+    int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
+    four_rows_default = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
@@ -161,25 +177,33 @@ def main(argv=None) -> int:
             loaded[kind] = load(model_dir, kind)
         model, load_s = loaded[kind]
         graph = path.startswith("cuda-graph")
-        ops.GLUE_KERNELS = path != "cuda-graph-noglue"
-        ops.INT8_MAX_ROWS = {"cuda-graph-int8": 4, "cuda-graph-fp16": 0}.get(path, int8_default)
-        ops.ATTN_KERNEL = attn_default and path != "cuda-graph-sdpa"
-        ops.OPEN_SUMS = open_sums.parse_setting(OPEN_PATHS[path]) if path in OPEN_PATHS else open_default
-        ops.CHAIN = path == "cuda-graph-chain" or (chain_default and path not in (
-            "cuda-graph-nochain", "cuda-graph-noprep", "cuda-graph-sepprep", "cuda-graph-selfprep"))
+        # "cuda-graph-a+b+c": the settings of cuda-graph-a, -b and -c together
+        names = {path.split("+")[0]} | {"cuda-graph-" + m for m in path.split("+")[1:]}
+
+        def pick(table: dict, default):
+            return next((v for k, v in table.items() if k in names), default)
+
+        ops.GLUE_KERNELS = "cuda-graph-noglue" not in names
+        ops.INT8_MAX_ROWS = pick({"cuda-graph-int8": 4, "cuda-graph-fp16": 0}, int8_default)
+        ops.ATTN_KERNEL = attn_default and "cuda-graph-sdpa" not in names
+        ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names
+        ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
+        ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
         if kind == "cuda":
             from engine.models.layers import fuse_projections, split_projections
 
-            if path == "cuda-graph-nogroup":
+            if "cuda-graph-nogroup" in names:
                 split_projections(model)
             else:
                 fuse_projections(model)
         if path != "torch":
-            ops.extension().set_pdl(path != "cuda-graph-nopdl")
-            ops.extension().set_prep_skip(path == "cuda-graph-noprep")
-            ops.extension().set_mm_debug_variant(PROBE_VARIANTS.get(path, ops._DEFAULT_VARIANT))
+            ops.extension().set_pdl("cuda-graph-nopdl" not in names)
+            ops.extension().set_prep_skip("cuda-graph-noprep" in names)
+            ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))
+            four = [int(m.group(1)) for m in (re.fullmatch(r"cuda-graph-fourrows(\d+)", n) for n in names) if m]
+            ops.extension().set_gemv_four_row_units(four[0] if four else four_rows_default)
             ops.extension().set_self_prep(
-                {"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}.get(path, self_prep_default))
+                pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
                 run = decode_graph if graph else decode_eager

@@ -495,7 +495,7 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 // (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, torch::Tensor counters,
-                               std::vector<torch::Tensor> next) {
+                               std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -548,6 +548,27 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         a.next_csum = next[2].data_ptr<float>();
         a.next_suh = hptr(next[3]);
     }
+    if (!rope.empty()) {
+        // [new_k, new_v, cos, sin, pos]: q is unrotated; the kernel rotates it and new_k, and
+        // writes the token's k and v into k, v (the cache's span) at slot *pos.
+        TORCH_CHECK(rope.size() == 5, "decode_attention: rope is [new_k, new_v, cos, sin, pos]");
+        const auto &nk = rope[0], &nv = rope[1], &pos = rope[4];
+        for (const auto* t : {&nk, &nv})
+            TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->size(0) == B &&
+                            t->size(1) == 1 && t->size(2) == Hkv && t->size(3) == D && t->stride(3) == 1 &&
+                            reinterpret_cast<uintptr_t>(t->data_ptr()) % (dl * 2) == 0 && t->stride(0) % dl == 0 &&
+                            t->stride(2) % dl == 0,
+                        "decode_attention: new_k, new_v must be fp16 [B, 1, Hkv, D], rows aligned to D/32 halves");
+        TORCH_CHECK(nk.strides() == nv.strides(), "decode_attention: new_k, new_v must have the same strides");
+        check_half_vec(rope[2], D, "decode_attention: cos");
+        check_half_vec(rope[3], D, "decode_attention: sin");
+        TORCH_CHECK(pos.is_cuda() && pos.scalar_type() == torch::kLong && pos.numel() == 1,
+                    "decode_attention: pos must be an int64 CUDA tensor of one element");
+        a.new_k = hptr(nk), a.new_v = hptr(nv);
+        a.nk_b = (long)nk.stride(0), a.nk_h = (long)nk.stride(2);
+        a.cos = hptr(rope[2]), a.sin = hptr(rope[3]);
+        a.pos = pos.data_ptr<int64_t>();
+    }
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
     return out;
 }
@@ -588,6 +609,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
+    m.def("set_gemv_four_row_units", &trellis::set_gemv_four_row_units,
+          "k-row quads per resident warp from which a product takes four k rows per unit (0: never)");
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,
           "k-row pairs per resident warp from which a product takes two k rows per unit (default 6)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");

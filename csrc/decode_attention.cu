@@ -99,6 +99,30 @@ __device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
     return v[0];
 }
 
+// Rotate-half RoPE of a row whose lane holds DL consecutive halves: the pair (i, i + D/2) sits on
+// lanes l and l ^ 16. Rounds as rope_kernel does (x*cos and rot(x)*sin each rounded, then their
+// sum), so the rotated bits are the same whichever kernel rotates.
+template <int DL>
+__device__ __forceinline__ typename HalfRow<DL>::T rope_row(typename HalfRow<DL>::T x, typename HalfRow<DL>::T c,
+                                                            typename HalfRow<DL>::T s, int lane) {
+    typename HalfRow<DL>::T p;
+    const uint32_t* xw = reinterpret_cast<const uint32_t*>(&x);
+    uint32_t* pw = reinterpret_cast<uint32_t*>(&p);
+#pragma unroll
+    for (int i = 0; i < DL / 2; ++i) pw[i] = __shfl_xor_sync(0xffffffffu, xw[i], 16);
+    const bool upper = lane & 16;  // holds x[i + D/2]: rot(x) = +x[i]; the lower half gets -x[i + D/2]
+    const half* xh = reinterpret_cast<const half*>(&x);
+    const half* ph = reinterpret_cast<const half*>(&p);
+    const half* ch = reinterpret_cast<const half*>(&c);
+    const half* sh = reinterpret_cast<const half*>(&s);
+    typename HalfRow<DL>::T r;
+    half* rh = reinterpret_cast<half*>(&r);
+#pragma unroll
+    for (int i = 0; i < DL; ++i)
+        rh[i] = __hadd_rn(__hmul_rn(xh[i], ch[i]), __hmul_rn(upper ? ph[i] : __hneg(ph[i]), sh[i]));
+    return r;
+}
+
 template <int DL>
 __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const DecodeAttnArgs a) {
     constexpr int D = 32 * DL;
@@ -127,12 +151,33 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
     if (DL == 4 && a.next_xb && warp < ng)
         next_s = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + lane * DL));
     pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
+    using Row = typename HalfRow<DL>::T;
+    Row rc{}, rs{};
+    if (a.pos) {  // RoPE here: rotate q below, and write the token's k and v if this split reads its slot
+        rc = load_row<DL>(a.cos + lane * DL);
+        rs = load_row<DL>(a.sin + lane * DL);
+        const long p = *a.pos;
+        if (p >= s0 && p < s1) {  // block-uniform
+            if (warp == 0) {
+                const size_t at = (size_t)b * a.nk_b + (size_t)kvh * a.nk_h + lane * DL;
+                const Row kr = rope_row<DL>(load_row<DL>(a.new_k + at), rc, rs, lane);
+                const Row vr = load_row<DL>(a.new_v + at);
+                // the cache this kernel reads: one pointer for both (blocks of other head groups
+                // of this kv head write the same bits)
+                *reinterpret_cast<Row*>(const_cast<half*>(kp) + (size_t)p * a.kv_t) = kr;
+                *reinterpret_cast<Row*>(const_cast<half*>(vp) + (size_t)p * a.kv_t) = vr;
+            }
+            __syncthreads();  // the block's warps read the slot after this
+        }
+    }
     float q[kAttnHeads][DL];
 #pragma unroll
     for (int g = 0; g < kAttnHeads; ++g) {
         if (g < ng) {
             const half* qp = a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + g) * a.q_h + lane * DL;
-            halves_to_floats<DL>(load_row<DL>(qp), q[g]);
+            Row qr = load_row<DL>(qp);
+            if (a.pos) qr = rope_row<DL>(qr, rc, rs, lane);
+            halves_to_floats<DL>(qr, q[g]);
 #pragma unroll
             for (int d = 0; d < DL; ++d) q[g][d] *= a.scale * kLog2e;  // scores in base-2 units
         } else {

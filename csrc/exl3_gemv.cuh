@@ -62,6 +62,7 @@ __host__ __device__ constexpr GvTune gv_tune(int cfg) {
            : cfg == 7 ? GvTune{8, 6, 3}
            : cfg == 8 ? GvTune{8, 4, 2, 2}
            : cfg == 9 ? GvTune{8, 3, 2, 2}
+           : cfg == 10 ? GvTune{8, 2, 2, 4}
                       : GvTune{0, 0, 2};
 }
 
@@ -825,7 +826,9 @@ template <int K, int CB, int PATH, int NG, int VAR, int CFG = 0, bool SP = false
 cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     using S = GvShape<PATH, NG, CFG>;
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16 / S::KR);
-    const long blocks = gv_blocks(units, S::MINB, a.num_sms);
+    // The grid cap (gv_blocks) counts units of two k rows for four-row units, so that CFG 10 keeps
+    // the grid CFG 9 would have.
+    const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -841,8 +844,15 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // paid half as often (ncu, 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59).
 // Small ones keep one (CFG 0), so that they still have enough units to spread over every SM.
 // one_row: debug variant 10, one k row everywhere.
+// The largest take four on the integer path (CFG 10, gv_four_rows: 2-4% faster at 1..4 rows;
+// plain products only: no self prep, chain output or timing probe; the fp16 path's 5..8 rows
+// were not measured with it).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
+    if constexpr (PATH == GV_I8 && NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && VAR == 0) {
+        if (!one_row && gv_four_rows(a.in, a.out, K, a.num_sms))
+            return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
+    }
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
         if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms))
             return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
@@ -886,6 +896,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         if constexpr (NG == 1) {  // two k rows per unit: too many registers for four groups
             if (variant == 18) return launch_gemv_var<K, CB, PATH, NG, 0, 8>(a, stream);
             if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
+            if (variant == 20) return launch_gemv_var<K, CB, PATH, NG, 0, 10>(a, stream);
         }
     }
     return launch_gemv_shipped<K, CB, PATH, NG, false>(a, variant == 10, stream);

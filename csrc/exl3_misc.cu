@@ -215,6 +215,7 @@ bool gemv_self_prep(const MmArgs& a) {
 }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
+void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.

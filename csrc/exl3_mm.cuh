@@ -174,8 +174,30 @@ inline long gv_blocks(long units, int minb, int num_sms) {
     return by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
 }
 
+// Version-3 launcher: an integer-path product takes four k rows per unit (CFG 10) when it has at
+// least this many k-row quads per resident warp (gv_four_rows); 0 = never. The per-unit work
+// (ring wait, cp.async issue, loop control) is then paid once per 32 tiles: ~9% fewer
+// instructions per tile than two k rows (SASS, K = 4). 3 takes in every Llama-3.1-8B MLP
+// product (down: 3.4 quads per warp on the H200), not q/k/v or o (csrc/PERF_NOTES.md, session 12).
+inline int& gemv_four_row_units() {
+    static int v = 3;
+    return v;
+}
+
 // Largest K whose two-k-row configuration (CFG 9) fits two blocks per SM (K = 6: 96 KB each).
 constexpr int kGvTwoRowMaxK = 6;
+// Largest K built with four k rows per unit (CFG 10: two stages of 4 k rows, 96 KB per block at
+// K = 4; K = 5 would fit at 112 KB, K = 6 would not).
+constexpr int kGvFourRowMaxK = 4;
+
+// Whether a version-3 product with one group of B columns takes four k rows per unit (the
+// largest layers, K <= kGvFourRowMaxK; see launch_gemv_shipped).
+inline bool gv_four_rows(int in, int out, int K, int num_sms) {
+    if (gemv_four_row_units() <= 0 || K > kGvFourRowMaxK || in % 64) return false;
+    const long quads = (long)(out / 128) * (in / 64);
+    const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
+    return quads >= gemv_four_row_units() * resident_warps;
+}
 
 // Whether a version-3 product with one group of B columns takes two k rows per unit (large
 // layers, K <= kGvTwoRowMaxK; see launch_gemv_shipped).

@@ -173,6 +173,7 @@ bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
 void set_gemv_two_row_units(int units);
+void set_gemv_four_row_units(int units);  // 0: never four k rows per unit
 // When products and decode attention let the kernel after them launch (PDL). Mode 1, at their
 // start: measured on the H200 it cost 1-4% of decode speed (the next product's trellis prefetch
 // then competes with the running one for DRAM; csrc/PERF_NOTES.md, session 5). Mode 2 (products
@@ -261,6 +262,16 @@ struct DecodeAttnArgs {
     float2* next_scales = nullptr;
     float* next_csum = nullptr;
     const half* next_suh = nullptr;
+    // RoPE and the KV-cache write of the step's token, done here instead of by rope_qk before
+    // (one kernel boundary less per layer): q is then the unrotated projection; new_k, new_v the
+    // token's rows [B, Hkv, D] (strides nk_b, nk_h, alike); cos, sin [D]; *pos the token's slot
+    // in k and v (the cache, read and written through the same pointers), which the span holds.
+    const half* new_k = nullptr;
+    const half* new_v = nullptr;
+    long nk_b = 0, nk_h = 0;
+    const half* cos = nullptr;
+    const half* sin = nullptr;
+    const int64_t* pos = nullptr;
 };
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
 int decode_attention_counters(int batch, int kv_heads, int groups);

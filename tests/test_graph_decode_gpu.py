@@ -95,6 +95,34 @@ def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatc
         assert same_top(a, b)
 
 
+def test_attention_kernel_does_the_decode_steps_rope(fixture_model, monkeypatch):
+    """With TRELLIS_ATTN_ROPE (the default) a decode step runs no RoPE kernel: the attention
+    kernel rotates q and k and writes the cache. Replayed steps give the logits of the step with
+    the RoPE kernel, and the cache holds the same values (to the products' split-k atomics,
+    whose order varies from run to run)."""
+    from engine import ops
+    from tests.gpu_layers import kernels_run
+
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, fixture_model.config.vocab_size, (1, 40), generator=g).cuda()
+    logits, caches = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(ops, "ATTN_ROPE", fused)
+        cache = fixture_model.new_static_cache(1, 64)
+        with torch.inference_mode():
+            fixture_model(ids[:, :30], cache)
+            ran = kernels_run(lambda: fixture_model(ids[:, 30:31], cache), "rope_kernel")
+        assert bool(ran) != fused, ran
+        caches[fused] = [k[:, :, :31].clone() for k in cache.keys + cache.values]
+        logits[fused] = replayed_logits(fixture_model, ids)
+    for a, b in zip(caches[True], caches[False]):
+        assert _rel_rms(a[:, :, 30].float(), b[:, :, 30].float()) < 1e-2  # the decode step's token
+        assert _rel_rms(a[:, :, :30].float(), b[:, :, :30].float()) < 1e-2
+    for a, b in zip(logits[True], logits[False]):
+        assert _rel_rms(a, b) < 1e-2
+        assert same_top(a, b)
+
+
 def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):
     from engine.tokenizer import Tokenizer
 

@@ -80,12 +80,3 @@ def test_open_sums_views_of_one_region():
     assert torch.equal(xs, z[:, :12]) and torch.equal(us, z[:, 12:]) and len(post) == 4
     assert zero.numel() == 48 and zero.data_ptr() == pool_buf.data_ptr()
     assert not open_sums.readable(gate, None, 12)  # read
-
-
-def test_setting_names_the_readers_that_take_open_sums():
-    assert open_sums.parse_setting("0") == frozenset() and open_sums.parse_setting("") == frozenset()
-    assert open_sums.parse_setting("1") == open_sums.KINDS == open_sums.parse_setting("all")
-    assert open_sums.parse_setting("gated") == {"gated"}
-    assert open_sums.parse_setting(" Normed, gated ") == open_sums.KINDS
-    with pytest.warns(UserWarning, match="not understood"):
-        assert open_sums.parse_setting("sometimes") == frozenset()

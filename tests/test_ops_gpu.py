@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -114,11 +115,21 @@ def test_occupancy_configurations_match_reference(variant):
     assert workspaces_zero()
 
 
+@pytest.fixture
+def four_rows():
+    """Sets from how many k-row quads per warp products take four k rows per unit; restores the
+    default after the test."""
+    yield ops.extension().set_gemv_four_row_units
+    ops.extension().set_gemv_four_row_units(int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0))
+
+
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])
-def test_two_row_units_of_large_layers_match_reference(K, cb):
+def test_two_row_units_of_large_layers_match_reference(K, cb, four_rows):
     """Layers large enough for two k rows per unit (4096x28672: 28,672 row pairs of 128 columns
     against 6 per resident warp) give the reference's product on both arithmetic paths, and the
-    same as the one-row configuration (debug variant 10) up to fp32 summation order."""
+    same as the one-row configuration (debug variant 10) up to fp32 summation order (four k rows
+    per unit off: they would take the integer path's 1..4 rows here)."""
+    four_rows(0)
     t = rand_layer(4096, 28672, K, cb, seed=31 + K)
     for rows, int8 in ((1, True), (1, False), (3, True), (8, False)):
         if int8 and cb != "mul1":
@@ -130,6 +141,35 @@ def test_two_row_units_of_large_layers_match_reference(K, cb):
         with ops.debug_variant(10):
             y1 = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
         assert rel_rms(y, y1) < 1e-3, (rows, int8)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_four_row_units_match_reference(K, four_rows):
+    """With four k rows per unit switched on (TRELLIS_GV_FOUR_ROW_UNITS; 4096x28672 has 14,336 k-row
+    quads of 128 columns, ~7 per resident warp) the integer path takes CFG 10 and gives the
+    reference's product at 1..4 rows, and the two-row configuration's up to fp32 summation order.
+    Off (0), it never takes it; the fp16 path (5..8 rows) never does."""
+    t = rand_layer(4096, 28672, K, "mul1", seed=41 + K)
+
+    def cfg10_ran(x, int8):
+        names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3), "exl3_gemv_kernel")
+        return any(", 10, false, false>" in n for n in names)
+
+    x = torch.randn(1, 4096, device=DEV).half()
+    four_rows(0)
+    assert not cfg10_ran(x, True)
+    four_rows(1)
+    assert cfg10_ran(x, True) and not cfg10_ran(torch.randn(8, 4096, device=DEV).half(), False)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 4096, device=DEV).half()
+        x[:, 11] = 30.0
+        y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, rows
+        four_rows(0)
+        y2 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        four_rows(1)
+        assert rel_rms(y, y2) < 1e-3, rows
+    assert workspaces_zero()
 
 
 def test_default_dispatch_takes_int8_path_up_to_four_rows():
@@ -331,6 +371,65 @@ def test_rope_store_matches_rope_then_cache_write():
     before = [c.clone() for c in caches]
     ops.rope_qk_store(*split(qkv.clone()), cos, sin, caches[0], caches[1], torch.tensor([slots], device=DEV))
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+@pytest.mark.parametrize("D,H,Hk,B", [(128, 32, 8, 1), (64, 9, 3, 2), (256, 8, 8, 1), (128, 28, 4, 2)])
+@pytest.mark.parametrize("span,pos", [(256, 0), (256, 200), (4096, 37), (4096, 4095), (17, 16)])
+def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos):
+    """The decode attention kernel doing the step's RoPE and cache write itself (PendingRope): the
+    same cache bits and the same output bits as the RoPE-and-store kernel followed by the plain
+    attention kernel, whichever split holds the token's slot (one split or many), with grouped
+    heads split into blocks of 4 (several blocks write the same kv head's slot)."""
+    g = torch.Generator(device=DEV).manual_seed(D + H + span + pos)
+    qkv = torch.randn(B, 1, (H + 2 * Hk) * D, generator=g, device=DEV).half()
+    cos = torch.randn(1, D, generator=g, device=DEV).half()
+    sin = torch.randn(1, D, generator=g, device=DEV).half()
+    position = torch.tensor([pos], device=DEV)
+    mask = torch.zeros(1, span, device=DEV, dtype=torch.float16)
+    mask[:, pos + 1:] = float("-inf")
+
+    def split(t):  # strided views, as the grouped q/k/v product hands them over
+        q, k, v = t.split([H * D, Hk * D, Hk * D], dim=-1)
+        return q.view(B, 1, H, D), k.view(B, 1, Hk, D), v.view(B, 1, Hk, D)
+
+    caches = [torch.randn(B, Hk, span + 8, D, generator=g, device=DEV).half() for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    q, k, v = split(qkv.clone())
+    rope = ops.PendingRope(q.transpose(1, 2), caches[0][:, :, :span], caches[1][:, :, :span], k, v, cos, sin, position)
+    assert rope.serves(mask)
+    got = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope)
+    wq, wk, wv = split(qkv.clone())
+    ops.rope_qk_store(wq, wk, wv, cos, sin, want_caches[0], want_caches[1], position)
+    want = ops.decode_attention(wq.transpose(1, 2), want_caches[0][:, :, :span], want_caches[1][:, :, :span], mask,
+                                D ** -0.5)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    assert torch.equal(got, want)
+    assert torch.equal(q, split(qkv)[0])  # q itself is left as it was
+    with pytest.raises(ValueError, match="pending RoPE"):  # a rope goes with its own q and cache
+        ops.decode_attention(wq.transpose(1, 2), rope.keys, rope.values, mask, D ** -0.5, rope=rope)
+    # apply(): the same without the attention kernel
+    caches2 = [c.clone() for c in want_caches]
+    caches2[0][:, :, pos] = 0
+    q2, k2, v2 = split(qkv.clone())
+    r2 = ops.PendingRope(q2.transpose(1, 2), caches2[0][:, :, :span], caches2[1][:, :, :span], k2, v2, cos, sin, position)
+    assert torch.equal(r2.apply(), wq.transpose(1, 2)) and torch.equal(caches2[0], want_caches[0])
+
+
+def test_pending_rope_declines_what_the_kernel_cannot_take(monkeypatch):
+    D, H, Hk, span = 128, 8, 2, 64
+    qkv = torch.randn(1, 1, (H + 2 * Hk) * D, device=DEV).half()
+    q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(1, 1, H, D), k.view(1, 1, Hk, D), v.view(1, 1, Hk, D)
+    cache = torch.zeros(2, 1, Hk, span, D, device=DEV).half()
+    cos, sin = torch.ones(1, D, device=DEV).half(), torch.zeros(1, D, device=DEV).half()
+    pos = torch.tensor([3], device=DEV)
+    rope = ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, cos, sin, pos)
+    assert rope.serves(None)
+    assert not ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, cos.float(), sin, pos).serves(None)
+    assert not ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, torch.ones(2, D, device=DEV).half(),
+                               sin, pos).serves(None)
+    monkeypatch.setattr(ops, "ATTN_ROPE", False)
+    assert not rope.serves(None)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])

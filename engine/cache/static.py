@@ -76,14 +76,14 @@ class StaticKVCache(KVCache):
         span = self.span(1)
         return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
-    def rope_update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """RoPE and `update` for one token in one step (one kernel on the GPU). q, k, v come as the
-        projections give them, [B, 1, heads, D]; returns q [B, H, 1, D] and the keys and values
-        of the span, like update."""
-        q, _ = ops.rope_qk_store(q, k, v, cos, sin, self.keys[layer], self.values[layer], self.position)
+    def pending_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> "ops.PendingRope":
+        """One token's RoPE and cache write, not run yet: the decode attention kernel does them
+        itself where it can (one kernel less per layer); elsewhere apply() runs them. q, k, v come
+        as the projections give them, [B, 1, heads, D]."""
         span = self.span(1)
-        return q.transpose(1, 2), self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+        return ops.PendingRope(q.transpose(1, 2), self.keys[layer][:, :, :span], self.values[layer][:, :, :span],
+                               k, v, cos, sin, self.position)
 
     def advance(self, new_tokens: int) -> None:
         super().advance(new_tokens)

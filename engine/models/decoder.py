@@ -74,8 +74,13 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if T == 1 and isinstance(cache, StaticKVCache):  # a decode step: RoPE and cache write in one
-            q, k, v = cache.rope_update(self.layer, q, k, v, cos, sin)
+        rope = None
+        if T == 1 and isinstance(cache, StaticKVCache):  # a decode step
+            rope = cache.pending_rope(self.layer, q, k, v, cos, sin)
+            if self.softcap is None and rope.serves(mask):  # the attention kernel rotates and stores
+                q, k, v = rope.q, rope.keys, rope.values
+            else:  # RoPE and the cache write in one kernel of their own
+                q, k, v, rope = rope.apply(), rope.keys, rope.values, None
         else:
             q, k = ops.rope_qk(q, k, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
@@ -83,10 +88,11 @@ class Attention(nn.Module):
                 k, v = cache.update(self.layer, k, v)
         if self.defer_output and self.softcap is None and getattr(self.o_proj, "compressed", False):
             # one decode row: the attention kernel writes o_proj's input, o_proj stays deferred
-            chained = ops.attention_into_chain(q, k, v, mask, self.scale, self.o_proj.exl3, self.o_proj.out_features)
+            chained = ops.attention_into_chain(q, k, v, mask, self.scale, self.o_proj.exl3, self.o_proj.out_features,
+                                               rope)
             if chained is not None:
                 return chained[1]
-        out = attention(q, k, v, mask, self.scale, self.softcap)
+        out = attention(q, k, v, mask, self.scale, self.softcap, rope)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if self.defer_output and hasattr(self.o_proj, "deferred"):
             return self.o_proj.deferred(out)

@@ -210,24 +210,27 @@ SDPA_GQA = _sdpa_supports_gqa()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float, softcap: float | None = None) -> torch.Tensor:
+              scale: float, softcap: float | None = None, rope: "ops.PendingRope | None" = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads.
 
     q [B, H, T, D]; k, v [B, Hkv, S, D] with the T queries at the last T of the S positions.
     `mask` is a bool [T, S] (True = may attend), an additive float one, or None for plain causal
     attention.
     Soft-capping (Gemma 2) squashes the scores before softmax, which SDPA cannot do, so that
-    case runs the same math by hand.
+    case runs the same math by hand. `rope`: the step's RoPE and cache write, which the decode
+    kernel does along (q is then unrotated; ops.PendingRope).
     """
     groups = q.shape[1] // k.shape[1]
     T, S = q.shape[2], k.shape[2]
+    if rope is not None and not (softcap is None and T == 1 and q.is_cuda):
+        q, rope = rope.apply(), None  # left to a kernel that is not going to run
     if mask is None and T > 1 and T != S:
         mask = causal_mask(S - T, T, None, q.device)
 
     if softcap is None and T == 1 and q.device.type == "cpu":
         return one_query_attention(q, k, v, mask, scale)
     if softcap is None and T == 1 and q.is_cuda:
-        out = ops.decode_attention(q, k, v, mask, scale)  # None: not a layout the kernel takes
+        out = ops.decode_attention(q, k, v, mask, scale, rope=rope)  # None: not a layout the kernel takes
         if out is not None:
             return out
 

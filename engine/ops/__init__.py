@@ -48,10 +48,12 @@ _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
 if _DEFAULT_VARIANT < 10:
     _DEFAULT_VARIANT = 0
 
-# Decode chains (engine/ops/chain.py): a product's output stage writes the next product's input,
-# so no prep kernel runs between them. Off by default (TRELLIS_CHAIN=1 turns them on): measured on
-# the H200 they were no faster than the prep kernels they replace (csrc/PERF_NOTES.md, session 7).
-CHAIN = os.environ.get("TRELLIS_CHAIN", "0") == "1"
+# Decode chains (engine/ops/chain.py): a kernel's output stage writes the next product's input,
+# so no prep kernel runs between them. Which links: TRELLIS_CHAIN = attn (the default: the decode
+# attention kernel writes o_proj's input; up to ~1% faster decode), 0 (none), 1 (all), or a comma
+# list of attn, gated, normed. The product-to-product links (gated, normed) made decode slower,
+# each alone and together (csrc/PERF_NOTES.md, sessions 7 and 12).
+CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "attn"))
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
@@ -90,6 +92,9 @@ def extension():
         # From how many k-row pairs per resident warp a product takes two k rows per unit
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
         _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
+        # From how many k-row quads per resident warp an integer-path product takes four k rows
+        # per unit (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12).
+        _ext.set_gemv_four_row_units(int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0))
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
@@ -177,7 +182,48 @@ _counters: dict = {}
 # ------------------------------------------------------------------------------------------
 # Attention
 
+# The decode attention kernel also does the step's RoPE and KV-cache write (PendingRope), so no
+# RoPE kernel runs between the q/k/v product and it: on by default; TRELLIS_ATTN_ROPE=0 keeps the
+# RoPE kernel (benchmarks' same-run ratio).
+ATTN_ROPE = os.environ.get("TRELLIS_ATTN_ROPE", "1") != "0"
+
 _attn_counters: dict = {}
+
+
+@dataclass
+class PendingRope:
+    """One decode token's RoPE and KV-cache write, left to the attention kernel: q [B, H, 1, D]
+    unrotated (a view of the projection), keys / values the cache's span [B, Hkv, S, D] that the
+    token's slot `position` (long [1] on the device) is in, k_new / v_new [B, 1, Hkv, D] the
+    token's projections, cos / sin [1, D]. Whoever holds one must run decode_attention with it,
+    or apply() it, before anything reads q or the cache."""
+
+    q: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    position: torch.Tensor
+
+    def serves(self, mask: torch.Tensor | None) -> bool:
+        """Whether the attention kernel takes this token's RoPE and cache write along with the
+        attention (the RoPE kernel's layouts and the attention kernel's)."""
+        return (ATTN_ROPE and _decode_attention_serves(self.q, self.keys, self.values, mask)
+                and _rope_kernel_serves(self.cos, self.sin, self.q.transpose(1, 2), self.k_new, self.v_new)
+                and self.k_new.stride() == self.v_new.stride() and self.k_new.data_ptr() % 16 == 0
+                and self.v_new.data_ptr() % 16 == 0 and self.position.is_cuda and self.position.numel() == 1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k_new, self.v_new, self.cos.reshape(-1), self.sin.reshape(-1), self.position]
+
+    def apply(self) -> torch.Tensor:
+        """RoPE and the cache write on their own (the RoPE kernel, or PyTorch ops): the rotated q
+        [B, H, 1, D], for an attention that does neither."""
+        q, _ = rope_qk_store(self.q.transpose(1, 2), self.k_new, self.v_new, self.cos, self.sin, self.keys,
+                             self.values, self.position)
+        return q.transpose(1, 2)
 
 
 def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -202,17 +248,23 @@ def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None) -> torch.Tensor | None:
+                     scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None,
+                     rope: PendingRope | None = None) -> torch.Tensor | None:
     """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
-    (grouped heads read in place), mask additive [1 or B, S] or None. None when the kernel does
-    not take these tensors; the caller then runs SDPA (models/layers.attention)."""
-    if not _decode_attention_serves(q, k, v, mask):
+    (grouped heads read in place), mask additive [1 or B, S] or None. With `rope` (whose q, keys
+    and values these are, rope.serves(mask) checked) the kernel first rotates q and writes the
+    token's k and v into the cache. None when the kernel does not take these tensors; the caller
+    then runs SDPA (models/layers.attention)."""
+    if rope is not None:
+        if not (q is rope.q and k is rope.keys and v is rope.values and rope.serves(mask)):
+            raise ValueError("decode_attention: a pending RoPE goes with its own q, keys and values, in a layout the kernel takes")
+    elif not _decode_attention_serves(q, k, v, mask):
         return None
     # One completion counter per block row of the kernel (batch x kv head x group of up to 4
     # query heads): B x H is always enough.
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
     nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
-    return extension().decode_attention(q, k, v, mask, float(scale), counters, nxt)
+    return extension().decode_attention(q, k, v, mask, float(scale), counters, nxt, [] if rope is None else rope.tensors())
 
 
 # ------------------------------------------------------------------------------------------
@@ -619,7 +671,7 @@ attention_into_chain = _chain.attention_into_chain
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
     "can_group", "defer_linear", "gated_chain", "attention_into_chain", "Deferred", "exl3_reconstruct",
-    "OpenSums", "open_linear", "open_linear_group", "workspaces",
+    "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope",
     "hadamard128", "rms_norm", "add_rms_norm",
     "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
     "extension",

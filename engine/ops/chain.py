@@ -26,6 +26,17 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import ops  # a cycle (ops imports this module first): used at call time only
+from engine.ops.settings import parse_kinds
+
+# The links a decode step may chain (ops.CHAIN): "attn", the attention kernel writing o_proj's
+# input; "gated", gate/up writing the down projection's; "normed", o_proj and down writing the
+# input of the grouped product after the next norm.
+LINKS = frozenset({"attn", "gated", "normed"})
+
+
+def parse_setting(value: str) -> frozenset[str]:
+    """TRELLIS_CHAIN: 0 (none), 1 (all), or a comma list of LINKS."""
+    return parse_kinds("TRELLIS_CHAIN", value, LINKS)
 
 
 @dataclass
@@ -124,17 +135,18 @@ class Deferred:
 
 
 def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, o, out_features: int) -> "tuple[torch.Tensor, Deferred] | None":
-    """One decode step's attention (ops.decode_attention) whose kernel also writes o_proj's int8
-    input, and o_proj on it as a Deferred: no prep kernel for o_proj.
-    q [1, H, 1, 128]. None where the chain does not serve (the caller runs the plain path)."""
+                         scale: float, o, out_features: int,
+                         rope: "ops.PendingRope | None" = None) -> "tuple[torch.Tensor, Deferred] | None":
+    """One decode step's attention (ops.decode_attention, with the step's RoPE where `rope`) whose
+    kernel also writes o_proj's int8 input, and o_proj on it as a Deferred: no prep kernel for
+    o_proj. q [1, H, 1, 128]. None where the chain does not serve (the caller runs the plain path)."""
     B, H, T, D = q.shape
     n = H * D
-    if not (B == 1 and T == 1 and D == 128 and _takes_prepared(o, n, q.device) and _writes_chain(o)
+    if not (B == 1 and T == 1 and D == 128 and _takes_prepared(o, n, q.device, "attn")
             and ops._decode_attention_serves(q, k, v, mask)):
         return None
     target = PreparedInput.empty(1, n, q.device)
-    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh))
+    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope)
     return out, Deferred(target, o, out_features, q.dtype, (B, T))
 
 
@@ -159,15 +171,16 @@ def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: P
                                      [], None, False)
 
 
-def _chains_on() -> bool:
-    """Chains are on and the settings they need hold: the glue kernels, the version-3 fused product."""
-    return ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
+def _chains_on(link: str) -> bool:
+    """This link is on and the settings chains need hold: the glue kernels, the version-3 fused
+    product."""
+    return link in ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
 
 
-def _takes_prepared(t, in_f: int, device: torch.device) -> bool:
-    """Whether a one-row product of `t` can read a PreparedInput: the chain is on, the product
-    is the fused MUL1 integer path of the version-3 kernel, on the GPU."""
-    return (_chains_on() and ops.INT8_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda
+def _takes_prepared(t, in_f: int, device: torch.device, link: str) -> bool:
+    """Whether a one-row product of `t` can read a PreparedInput that `link` writes: the link is
+    on, the product is the fused MUL1 integer path of the version-3 kernel, on the GPU."""
+    return (_chains_on(link) and ops.INT8_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda
             and t.trellis.device == device and t.trellis.shape[0] * 16 == in_f and in_f % 128 == 0
             and ops._use_cuda(t.suh, t.svh))
 
@@ -191,7 +204,7 @@ def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Defer
     product not launched yet (a Deferred): its reader may launch it with a chain output. Without
     chains, its output may stay open sums (ops.open_linear) for the reader's prep to finish."""
     in_f = t.trellis.shape[0] * 16
-    if (_chains_on() and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
+    if (_chains_on("normed") and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
             and t.trellis.is_cuda and _writes_chain(t)):
         return Deferred(x, t, out_features, x.dtype, tuple(x.shape[:-1]))
     return ops.open_linear(x, t, out_features)
@@ -208,7 +221,7 @@ def gated_chain(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group, down, act
     n = down.trellis.shape[0] * 16
     lead = x.shape[:-1]
     if (act not in ops._ACT_IDS or lead.numel() != 1 or len(g.members) != 2 or g.seg_cols != [n]
-            or g.trellis.shape[1] * 16 != 2 * n or not _takes_prepared(down, n, g.trellis.device)
+            or g.trellis.shape[1] * 16 != 2 * n or not _takes_prepared(down, n, g.trellis.device, "gated")
             or not _writes_chain(g)):
         return None
     target = PreparedInput.empty(1, n, g.trellis.device)
@@ -225,7 +238,8 @@ def chain_into_group(p: "ops.PendingNorm", g: ops.EXL3Group, chain: ChainOut | N
     in_f = g.trellis.shape[0] * 16
     res = p.residual
     if not (d.padded_out == in_f == d.out_features and p.weight.is_contiguous() and p.weight.numel() == in_f
-            and ops._use_cuda(p.weight) and _takes_prepared(g, in_f, d.device) and d.shape.numel() == in_f
+            and ops._use_cuda(p.weight) and _takes_prepared(g, in_f, d.device, "normed") and _writes_chain(d.t)
+            and d.shape.numel() == in_f
             and (res is None or (res.is_contiguous() and res.shape == d.shape and ops._use_cuda(res)))):
         return None
     target = PreparedInput.empty(len(g.members), in_f, d.device, normed=True, eps=p.eps)

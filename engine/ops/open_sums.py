@@ -18,12 +18,12 @@ another product, and one whose sums were dropped unread is zeroed before it is u
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.ops.settings import parse_kinds
 from engine import ops  # a cycle (ops imports this module first): used at call time only
 
 # Rows a product may leave open: the per-warp kernel's range (the shared-activation kernel for
@@ -36,18 +36,8 @@ KINDS = frozenset({"gated", "normed"})
 
 
 def parse_setting(value: str) -> frozenset[str]:
-    """TRELLIS_OPEN_SUMS: 0 (none), 1 (all), or a comma list of KINDS. Anything else is none,
-    with a one-line warning."""
-    v = value.strip().lower()
-    if v in ("", "0", "off", "none"):
-        return frozenset()
-    if v in ("1", "all", "on"):
-        return KINDS
-    kinds = frozenset(p.strip() for p in v.split(","))
-    if not kinds <= KINDS:
-        warnings.warn(f"TRELLIS_OPEN_SUMS={value!r} not understood (0, 1, gated, normed): open sums off", stacklevel=2)
-        return frozenset()
-    return kinds
+    """TRELLIS_OPEN_SUMS: 0 (none), 1 (all), or a comma list of KINDS."""
+    return parse_kinds("TRELLIS_OPEN_SUMS", value, KINDS)
 
 
 class WorkspacePool:
@@ -172,8 +162,10 @@ def wrap(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None, buffer: 
 
 def enabled() -> bool:
     """Open sums are on and the settings they need hold (the version-3 fused product, its prep
-    kernel; decode chains off, which hand outputs on their own way)."""
-    return bool(ops.OPEN_SUMS) and not ops.CHAIN and ops.GLUE_KERNELS and ops.MM_VERSION == 3 and ops.FUSED_MAX_ROWS >= 1
+    kernel; no decode-chain link that hands a product's output on its own way: attention -> o_proj
+    hands on none)."""
+    return (bool(ops.OPEN_SUMS) and not (ops.CHAIN - {"attn"}) and ops.GLUE_KERNELS and ops.MM_VERSION == 3
+            and ops.FUSED_MAX_ROWS >= 1)
 
 
 def wanted(kind: str) -> bool:
