@@ -18,6 +18,9 @@
 // warps' partial results merge in shared memory; when there are several splits, each block writes its
 // partial (o, max, sum) to a workspace and the last block to finish a (batch, head group) merges
 // them (a completion counter, as the product's output stage does), so one launch does it all.
+// At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos):
+// q is rotated as it is loaded, and the block whose split holds the token's slot writes the
+// rotated k and v there before its warps read keys. One kernel boundary less per layer.
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>

@@ -45,8 +45,9 @@ __host__ __device__ constexpr int gv_stages() {
 
 // Configurations (CFG, a template argument). A configuration trades the tiles per unit (CT), the
 // ring depth (NS) and the k rows per unit (kr) for resident blocks per SM (MINB, which also caps
-// the registers at 65536 / (256 MINB)). Shipped: 0 (8 tiles, one k row, 2 blocks), and 9 (two k
-// rows) for large layers. For K = 4 the debug variant 10 + CFG (bench.linear --variants,
+// the registers at 65536 / (256 MINB)). Shipped: 0 (8 tiles, one k row, 2 blocks), 9 (two k
+// rows) for large layers, 10 (four k rows, two stages) for the largest on the integer path. For
+// K = 4 the debug variant 10 + CFG (bench.linear --variants,
 // TRELLIS_GV_VARIANT) selects one, to measure what a GPU prefers: on the H200 more blocks per SM
 // never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5).
 struct GvTune {

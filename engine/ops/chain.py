@@ -5,15 +5,22 @@ the 128-point Hadamard, the int8 passes of the MUL1 integer path). As a kernel o
 prep was a kernel boundary on the critical path before each product, about 12% of a decode step
 (csrc/PERF_NOTES.md, session 6). In a chain the warp that finishes a 128-column block of one
 product's output writes that block's part of the next product's input (csrc/kernels.h, ChainOut),
-so the next product follows the first directly. A Llama-style layer chains three times:
+so the next product follows the first directly. A Llama-style layer has four links, each on or
+off by TRELLIS_CHAIN (ops.CHAIN; LINKS below):
 
-    o_proj  -> gate/up     rms_norm(o + residual) * w. A block cannot know the row's 1 / rms, so it
+    attention -> o_proj    (attn, the default) the decode attention kernel writes each head's
+                           128-chunk of o_proj's input as it writes the head's output.
+    o_proj  -> gate/up     (normed) rms_norm(o + residual) * w. A block cannot know the row's 1 / rms, so it
                            writes its chunks of (o + residual) * w (the int8 passes are
                            scale-invariant) and its sum of squares; the consumer's output stage
                            applies 1 / rms.
-    gate/up -> down        act(gate) * up, by whichever block of a chunk's pair finishes second
-                           (bit for bit the down projection's own prep).
-    down    -> next q/k/v  as o_proj -> gate/up.
+    gate/up -> down        (gated) act(gate) * up, by whichever block of a chunk's pair finishes
+                           second (bit for bit the down projection's own prep).
+    down    -> next q/k/v  (normed, where gate/up -> down chains too) as o_proj -> gate/up.
+
+The product-to-product links were slower than the prep kernels they replace (the output stage is
+on the critical path, where a prep kernel overlaps the product before it under PDL), alone and
+together; the attention link pays (csrc/PERF_NOTES.md, sessions 7 and 12).
 
 A product whose reader is not launched yet is a Deferred: the reader launches it with the chain
 output it needs, and anything else calls value() and gets the plain product.
