@@ -93,6 +93,8 @@ def register_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -109,7 +111,7 @@ def cmd_generate(args) -> int:
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    sampler = SamplerSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    sampler = SamplerSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
     if args.image:
         missing = [str(f) for f in args.image if not f.is_file()]

@@ -152,6 +152,11 @@ def test_generate_sampling_is_seeded(ref_fixtures, capsys):
     argv = ["generate", "-m", model, "-p", "Once", "--raw", "--max-tokens", "8", "--temperature", "1.0",
             "--top-p", "0.9", "--seed", "3", "--json"]
     assert run_json(capsys, argv)["token_ids"] == run_json(capsys, argv)["token_ids"]
+    # min-p at 1 keeps only the most likely token: the greedy answer, whatever the temperature
+    greedy = run_json(capsys, argv[:8] + ["--temperature", "0", "--json"])["token_ids"]
+    assert run_json(capsys, argv[:8] + ["--temperature", "1.5", "--min-p", "1", "--json"])["token_ids"] == greedy
+    assert main(argv[:8] + ["--temperature", "1.0", "--min-p", "2"]) == 1
+    assert "min_p" in capsys.readouterr().err
 
 
 def test_generate_refuses_image_for_text_model(ref_fixtures, tmp_path, capsys):

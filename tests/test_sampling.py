@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.generate.sampling import (SamplerSettings, apply_repetition_penalty, sample_next, top_k_mask,
-                                      top_p_mask)
+from engine.generate.sampling import SamplerSettings, apply_repetition_penalty, candidates, draw, sample_next
 
 
 def random_logits(n=1000, seed=0):
@@ -20,24 +19,69 @@ def test_greedy_is_argmax_regardless_of_other_knobs():
         assert sample_next(logits, settings, settings.make_generator()) == int(logits.argmax())
 
 
+def kept(logits, top_k=0, top_p=1.0, min_p=0.0, first=1024) -> set[int]:
+    vals, ids = candidates(logits, top_k, top_p, min_p, first)
+    ids = torch.arange(logits.numel()) if ids is None else ids
+    assert torch.equal(vals, logits[ids])  # the survivors' own logits
+    return set(ids.tolist())
+
+
 def test_top_k_keeps_the_k_largest():
     logits = random_logits()
-    masked = top_k_mask(logits, 10)
-    kept = torch.isfinite(masked).nonzero().flatten()
-    assert set(kept.tolist()) == set(torch.topk(logits, 10).indices.tolist())
-    assert torch.equal(masked[kept], logits[kept])
-    assert torch.equal(top_k_mask(logits, 0), logits)
+    assert kept(logits, top_k=10) == set(torch.topk(logits, 10).indices.tolist())
+    vals, ids = candidates(logits, 10)
+    assert torch.equal(vals, torch.sort(vals, descending=True).values)  # most likely first
+    assert kept(logits, top_k=0) == set(range(1000)) and candidates(logits)[1] is None
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p():
     logits = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15]))
-    kept = lambda p: set(torch.isfinite(top_p_mask(logits, p)).nonzero().flatten().tolist())
-    assert kept(0.5) == {0}
-    assert kept(0.6) == {0, 2}
-    assert kept(0.8) == {0, 2}
-    assert kept(0.81) == {0, 2, 3}
-    assert kept(1.0) == {0, 1, 2, 3}
-    assert kept(1e-6) == {0}  # the top token always survives
+    assert kept(logits, top_p=0.5) == {0}
+    assert kept(logits, top_p=0.6) == {0, 2}
+    assert kept(logits, top_p=0.8) == {0, 2}
+    assert kept(logits, top_p=0.81) == {0, 2, 3}
+    assert kept(logits, top_p=1.0) == {0, 1, 2, 3}
+    assert kept(logits, top_p=1e-6) == {0}  # the top token always survives
+    assert kept(logits, top_k=2, top_p=0.7) == {0, 2}  # within the top k: 0.5 / 0.8 < 0.7
+    assert kept(logits, top_k=2, top_p=0.6) == {0}  # 0.5 / 0.8 >= 0.6
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.99, 0.9999])
+@pytest.mark.parametrize("scale", [0.3, 3.0])
+def test_top_p_from_the_most_likely_first_is_the_full_sort(p, scale):
+    """Looking at the 16 most likely tokens first (widening 8x at a time when they hold less than
+    p) keeps the same tokens as sorting the whole vocabulary: flat logits (scale 0.3) need the
+    widening, peaked ones (3.0) do not."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(int(p * 1e4))) * scale
+    got = kept(logits, top_p=p, first=16)
+    assert got == kept(logits, top_p=p, first=5000)
+    probs = torch.softmax(logits, -1)[sorted(got)]
+    assert probs.sum() >= p - 1e-6  # reaches p ...
+    assert probs.sum() - probs.min() < p  # ... and without its least likely token would not
+
+
+def test_min_p_keeps_tokens_within_a_factor_of_the_top():
+    logits = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15]))
+    assert kept(logits, min_p=0.0) == {0, 1, 2, 3}
+    assert kept(logits, min_p=0.2) == {0, 2, 3}   # 0.15 >= 0.1, 0.05 < 0.1
+    assert kept(logits, min_p=0.5) == {0, 2}
+    assert kept(logits, min_p=1.0) == {0}
+    assert kept(logits, top_p=0.9, min_p=0.5) == {0, 2}  # both: the smaller set
+    s = SamplerSettings(temperature=1.0, min_p=0.5, seed=3)
+    g = s.make_generator()
+    assert {sample_next(logits, s, g) for _ in range(200)} == {0, 2}
+
+
+def test_draw_follows_the_distribution_and_only_live_tokens():
+    logits = torch.full((1000,), float("-inf"))
+    logits[[3, 500, 999]] = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(logits, g) for _ in range(4000)]), minlength=1000)
+    assert counts.sum() == counts[[3, 500, 999]].sum()
+    for i, p in ((3, 0.2), (500, 0.5), (999, 0.3)):
+        assert abs(counts[i] / 4000 - p) < 0.03, (i, int(counts[i]))
+    with pytest.raises(ValueError, match="no token can be drawn"):
+        draw(torch.full((5,), float("-inf")), g)
 
 
 def test_samples_only_from_the_allowed_set():
@@ -80,7 +124,7 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
-                                 dict(repetition_penalty=0)])
+                                 dict(min_p=-0.1), dict(min_p=1.5), dict(repetition_penalty=0)])
 def test_invalid_settings_are_config_errors(bad):
     with pytest.raises(ConfigError):
         SamplerSettings(**bad).validate()

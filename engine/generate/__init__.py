@@ -2,7 +2,7 @@
 from engine.generate.graph_decode import GraphDecoder, graph_decoder
 from engine.generate.loop import (GenerationResult, GenerationStats, IncrementalDecoder, StopStringFilter,
                                   generate)
-from engine.generate.sampling import SamplerSettings, sample_next, top_k_mask, top_p_mask
+from engine.generate.sampling import SamplerSettings, candidates, sample_next
 
 __all__ = ["GenerationResult", "GenerationStats", "GraphDecoder", "IncrementalDecoder", "SamplerSettings",
-           "StopStringFilter", "generate", "graph_decoder", "sample_next", "top_k_mask", "top_p_mask"]
+           "StopStringFilter", "candidates", "generate", "graph_decoder", "sample_next"]

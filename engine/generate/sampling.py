@@ -1,13 +1,20 @@
 """Choosing the next token from a row of logits.
 
 Order of operations (the common convention, so settings mean what users expect from other tools):
-repetition penalty → temperature → top-k → top-p → draw. Temperature 0 means greedy (argmax) and
-skips everything else, so greedy output never depends on the other knobs or on the seed.
-Randomness comes only from a `torch.Generator` seeded from the settings, so a seeded run is
+repetition penalty → temperature → top-k → top-p → min-p → draw. Temperature 0 means greedy
+(argmax) and skips everything else, so greedy output never depends on the other knobs or on the
+seed. Randomness comes only from a `torch.Generator` seeded from the settings, so a seeded run is
 reproducible.
+
+Cost matters here: a decode step on the GPU takes a few milliseconds, and a draw over a 128k
+vocabulary done naively (a full sort for top-p, torch.multinomial over every token on the CPU)
+took longer than the step itself (bench/sampling.py). So the filters hand on only the tokens they
+keep (candidates), top-p looks at the most likely tokens first and sorts everything only when
+they do not reach p, and the draw builds its CDF where the logits are and brings back one index.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,7 @@ class SamplerSettings:
     temperature: float = 0.0      # 0 → greedy
     top_k: int = 0                # 0 → off
     top_p: float = 1.0            # 1 → off
+    min_p: float = 0.0            # 0 → off; drop tokens below min_p x the top token's probability
     repetition_penalty: float = 1.0  # 1 → off; >1 discourages tokens already seen
     seed: int | None = None       # None → nondeterministic
 
@@ -30,6 +38,8 @@ class SamplerSettings:
             raise ConfigError(f"top_k must be >= 0 (got {self.top_k})")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (got {self.min_p})")
         if not self.repetition_penalty > 0:
             raise ConfigError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
         return self
@@ -59,27 +69,53 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
     return logits
 
 
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set all but the k largest logits to -inf (ties at the threshold are kept)."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               first: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens top-k, top-p and min-p leave to draw from, as (their logits, their ids), logits
+    [vocab]; ids None means every token, in order. Where a filter applies they come most likely
+    first, and only those tokens travel on (a draw then touches k tokens, not the vocabulary).
+
+    top-k keeps the k most likely tokens; top-p the smallest most-likely set whose probability
+    reaches p (within the top k when both apply); min-p the tokens at least min_p times as likely
+    as the most likely one. The most likely token always survives. Top-p looks at the `first`
+    most likely tokens first and widens the search (8x at a time, up to a full sort) only when
+    they hold less than p."""
+    n = logits.shape[-1]
+    k = top_k if 0 < top_k < n else n
+    if k == n and top_p >= 1.0:
+        if min_p <= 0.0:
+            return logits, None
+        ids = (logits - logits.max() >= math.log(min_p)).nonzero().flatten()
+        return logits[ids], ids
+    look = k if k < n else min(n, first)
+    while True:
+        vals, ids = torch.topk(logits, look)  # most likely first
+        if look == k or look == n:  # after top-k the distribution is the k tokens'
+            probs = torch.softmax(vals, dim=-1)
+        else:  # these tokens' share of the whole distribution
+            probs = torch.exp(vals - vals[0]) / torch.exp(logits - vals[0]).sum()
+        mass = torch.cumsum(probs, dim=-1)
+        if look == k or look == n or top_p >= 1.0 or bool(mass[-1] >= top_p):
+            break
+        look = min(n, look * 8)
+    keep = vals.numel()
+    if top_p < 1.0:  # the tokens whose probability before them is under p: a prefix
+        keep = max(1, int(((mass - probs) < top_p).sum()))
+    if min_p > 0.0:
+        keep = min(keep, max(1, int((vals - vals[0] >= math.log(min_p)).sum())))
+    return vals[:keep], ids[:keep]
 
 
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches `p`.
-
-    The most likely token always survives, so the distribution never becomes empty."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= p
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """An index into `logits` drawn from their softmax, by inverse CDF with one uniform from
+    `generator` (a CPU generator, so one seed gives one answer on any device). The CDF is built
+    where the logits are; only the index comes back."""
+    if not bool(torch.isfinite(logits).any()):
+        raise ValueError("no token can be drawn: every logit is -inf or NaN")
+    cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    i = int(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True))
+    return min(i, logits.numel() - 1)
 
 
 def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator | None = None,
@@ -90,8 +126,6 @@ def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torc
         logits = apply_repetition_penalty(logits, previous_ids.to(logits.device), settings.repetition_penalty)
     if settings.greedy:
         return int(torch.argmax(logits, dim=-1))
-    logits = logits / settings.temperature
-    logits = top_k_mask(logits, settings.top_k)
-    logits = top_p_mask(logits, settings.top_p)
-    probs = torch.softmax(logits, dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    vals, ids = candidates(logits / settings.temperature, settings.top_k, settings.top_p, settings.min_p)
+    i = draw(vals, generator)
+    return i if ids is None else int(ids[i])
