@@ -80,8 +80,9 @@ def test_draw_follows_the_distribution_and_only_live_tokens():
     assert counts.sum() == counts[[3, 500, 999]].sum()
     for i, p in ((3, 0.2), (500, 0.5), (999, 0.3)):
         assert abs(counts[i] / 4000 - p) < 0.03, (i, int(counts[i]))
-    with pytest.raises(ValueError, match="no token can be drawn"):
-        draw(torch.full((5,), float("-inf")), g)
+    for bad in (torch.full((5,), float("-inf")), torch.tensor([0.0, float("nan")]), torch.tensor([0.0, float("inf")])):
+        with pytest.raises(ValueError, match="no token can be drawn"):
+            draw(bad, g)
 
 
 def test_samples_only_from_the_allowed_set():

@@ -110,8 +110,9 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """An index into `logits` drawn from their softmax, by inverse CDF with one uniform from
     `generator` (a CPU generator, so one seed gives one answer on any device). The CDF is built
     where the logits are; only the index comes back."""
-    if not bool(torch.isfinite(logits).any()):
-        raise ValueError("no token can be drawn: every logit is -inf or NaN")
+    finite = torch.isfinite(logits)
+    if not bool((finite | (logits == float("-inf"))).all() & finite.any()):  # one sync for both
+        raise ValueError("no token can be drawn: the logits are NaN, +inf or all -inf")
     cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
     i = int(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True))
