@@ -167,7 +167,6 @@ def main(argv=None) -> int:
     model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
-    four_rows_default = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
             ops.extension().set_prep_skip("cuda-graph-noprep" in names)
             ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))
             four = [int(m.group(1)) for m in (re.fullmatch(r"cuda-graph-fourrows(\d+)", n) for n in names) if m]
-            ops.extension().set_gemv_four_row_units(four[0] if four else four_rows_default)
+            ops.extension().set_gemv_four_row_units(four[0] if four else ops.FOUR_ROW_UNITS)
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
         for batch, ctx in itertools.product(args.batch, args.contexts):

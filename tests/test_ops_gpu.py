@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -120,7 +119,7 @@ def four_rows():
     """Sets from how many k-row quads per warp products take four k rows per unit; restores the
     default after the test."""
     yield ops.extension().set_gemv_four_row_units
-    ops.extension().set_gemv_four_row_units(int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0))
+    ops.extension().set_gemv_four_row_units(ops.FOUR_ROW_UNITS)
 
 
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])

@@ -95,7 +95,7 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
         else:  # these tokens' share of the whole distribution
             probs = torch.exp(vals - vals[0]) / torch.exp(logits - vals[0]).sum()
         mass = torch.cumsum(probs, dim=-1)
-        if look == k or look == n or top_p >= 1.0 or bool(mass[-1] >= top_p):
+        if look == k or look == n or bool(mass[-1] >= top_p):
             break
         look = min(n, look * 8)
     keep = vals.numel()

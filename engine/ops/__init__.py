@@ -61,6 +61,11 @@ CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "attn"))
 # gate/up), normed (the next norm's prep reads o_proj and down), 1 (both).
 OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 
+# From how many k-row quads per resident warp an integer-path product takes four k rows per unit
+# (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
+# extension when it loads; benchmarks and tests that change it restore this.
+FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
+
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
@@ -92,9 +97,7 @@ def extension():
         # From how many k-row pairs per resident warp a product takes two k rows per unit
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
         _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
-        # From how many k-row quads per resident warp an integer-path product takes four k rows
-        # per unit (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12).
-        _ext.set_gemv_four_row_units(int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0))
+        _ext.set_gemv_four_row_units(FOUR_ROW_UNITS)
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
