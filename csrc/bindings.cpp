@@ -1,5 +1,7 @@
 // Torch bindings for the Trellis kernels: shape/dtype checks and stream plumbing only; the
 // kernels themselves live behind the plain interface in kernels.h.
+#include <cmath>
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -469,6 +471,52 @@ void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
                                    (long)k.stride(0), (long)k.stride(1), st, at::cuda::getCurrentCUDAStream()));
 }
 
+// Row-wise argmax of x [rows, n] (fp32 or fp16, last dim contiguous) -> int64 [rows]; scratch:
+// int64, at least 2 * rows, zero (left zero).
+torch::Tensor argmax_rows(torch::Tensor x, torch::Tensor scratch) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1 &&
+                    (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kHalf),
+                "argmax_rows: a 2-d fp32 or fp16 CUDA tensor, last dim contiguous");
+    TORCH_CHECK(x.size(1) > 0 && x.size(1) < (1L << 31) && x.size(0) < 65536, "argmax_rows: unsupported shape");
+    TORCH_CHECK(scratch.is_cuda() && scratch.scalar_type() == torch::kLong && scratch.is_contiguous() &&
+                    scratch.numel() >= 2 * x.size(0) && scratch.device() == x.device(),
+                "argmax_rows: scratch must be int64 on x's device with 2 words per row");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+    if (x.size(0) > 0) {
+        CHECK_CUDA_OK(trellis::argmax_rows(x.data_ptr(), x.scalar_type() == torch::kFloat, (long)x.stride(0),
+                                           (int)x.size(0), (int)x.size(1), scratch.data_ptr(),
+                                           out.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()));
+    }
+    return out;
+}
+
+// The sampler's draw among the top tokens (trellis::sample_top): vals fp32 [look] sorted down, ids
+// int64 [look], top and z fp32 0-dim, u float64 0-dim, all on one CUDA device -> int64 [3].
+torch::Tensor sample_top(torch::Tensor vals, torch::Tensor ids, torch::Tensor top, c10::optional<torch::Tensor> z,
+                         double top_p, double min_p, torch::Tensor u) {
+    TORCH_CHECK(vals.is_cuda() && vals.dim() == 1 && vals.is_contiguous() && vals.scalar_type() == torch::kFloat,
+                "sample_top: vals must be a contiguous fp32 CUDA vector");
+    const int64_t look = vals.numel();
+    TORCH_CHECK(look >= 1 && look <= 1024, "sample_top: 1 to 1024 tokens");
+    TORCH_CHECK(ids.device() == vals.device() && ids.scalar_type() == torch::kLong && ids.numel() == look &&
+                    ids.is_contiguous(), "sample_top: ids must be int64 [look] on vals' device");
+    TORCH_CHECK(top.device() == vals.device() && top.scalar_type() == torch::kFloat && top.numel() == 1,
+                "sample_top: top must be one fp32 on vals' device");
+    TORCH_CHECK(u.device() == vals.device() && u.scalar_type() == torch::kDouble && u.numel() == 1,
+                "sample_top: u must be one float64 on vals' device");
+    if (z.has_value())
+        TORCH_CHECK(z->device() == vals.device() && z->scalar_type() == torch::kFloat && z->numel() == 1,
+                    "sample_top: z must be one fp32 on vals' device");
+    const c10::cuda::CUDAGuard guard(vals.device());
+    auto out = torch::empty({3}, ids.options());
+    CHECK_CUDA_OK(trellis::sample_top(vals.data_ptr<float>(), ids.data_ptr<int64_t>(), (int)look,
+                                      top.data_ptr<float>(), z.has_value() ? z->data_ptr<float>() : nullptr,
+                                      (float)top_p, min_p > 0, min_p > 0 ? (float)std::log(min_p) : 0.f,
+                                      u.data_ptr<double>(), out.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()));
+    return out;
+}
+
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
     TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
                 "gated_act: fp16 CUDA tensors");
@@ -624,6 +672,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
+    m.def("sample_top", &sample_top, "the sampler's draw among the top tokens (one block)");
+    m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN largest)");
     m.def("rope_qk", &rope_qk, "rotate-half RoPE on q and k in place");
     m.def("decode_attention", &decode_attention, "one-token decode attention over a KV cache");
     m.def("viterbi_encode", &viterbi_encode, "tail-biting Viterbi trellis encoder (quantizer)");

@@ -845,12 +845,11 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // paid half as often (ncu, 8192x28672 K=4 int8: 13% fewer instructions, 52 us instead of 59).
 // Small ones keep one (CFG 0), so that they still have enough units to spread over every SM.
 // one_row: debug variant 10, one k row everywhere.
-// The largest take four on the integer path (CFG 10, gv_four_rows: 2-4% faster at 1..4 rows;
-// plain products only: no self prep, chain output or timing probe; the fp16 path's 5..8 rows
-// were not measured with it).
+// The largest take four (CFG 10, gv_four_rows: 2-4% faster on the integer path at 1..4 rows,
+// 3-7% on the fp16 path at 5..8; plain products only: no self prep, chain output or timing probe).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
-    if constexpr (PATH == GV_I8 && NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && VAR == 0) {
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && VAR == 0) {
         if (!one_row && gv_four_rows(a.in, a.out, K, a.num_sms))
             return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }

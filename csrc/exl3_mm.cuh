@@ -174,7 +174,7 @@ inline long gv_blocks(long units, int minb, int num_sms) {
     return by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
 }
 
-// Version-3 launcher: an integer-path product takes four k rows per unit (CFG 10) when it has at
+// Version-3 launcher: a one-group product (1..8 rows) takes four k rows per unit (CFG 10) when it has at
 // least this many k-row quads per resident warp (gv_four_rows); 0 = never. The per-unit work
 // (ring wait, cp.async issue, loop control) is then paid once per 32 tiles: ~9% fewer
 // instructions per tile than two k rows (SASS, K = 4). 3 takes in every Llama-3.1-8B MLP

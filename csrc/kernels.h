@@ -211,6 +211,18 @@ cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_o
 cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,
                      half* residual_out, int rows, int n, float eps, cudaStream_t stream);
 
+// out[r] = the first index of row r's largest value (NaN above all, as torch.argmax), x [rows, n]
+// fp32 (f32) or fp16 with row stride ld; scratch: 2 * rows zeroed 64-bit words, left zero.
+cudaError_t argmax_rows(const void* x, bool f32, long ld, int rows, int n, void* scratch, int64_t* out,
+                        cudaStream_t stream);
+
+// The sampler's draw among the `look` (<= 1024) most likely tokens (vals sorted down, their ids):
+// out = (token, widen, bad) as engine/generate/sampling.py's choose() defines them. z: the sum of
+// exp(logit - vals[0]) over the vocabulary when vals is not the whole distribution, else null;
+// top: the logits' max; u: the draw's uniform (all device pointers).
+cudaError_t sample_top(const float* vals, const int64_t* ids, int look, const float* top, const float* z,
+                       float top_p, bool min_on, float log_min_p, const double* u, int64_t* out, cudaStream_t stream);
+
 // Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
                       int ld_up, int act, cudaStream_t stream);

@@ -112,3 +112,9 @@ def test_route_quant_linears_keeps_logits(tmp_path):
         assert route_quant_linears(model) == 2 * 7 + 1
         got = model(ids)
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_argmax_on_cpu_is_torch_argmax():
+    x = torch.randn(3, 7, 11)
+    x[0, 0, [2, 9]] = 5.0
+    assert torch.equal(ops.argmax(x), torch.argmax(x, dim=-1))

@@ -146,28 +146,43 @@ def test_two_row_units_of_large_layers_match_reference(K, cb, four_rows):
 def test_four_row_units_match_reference(K, four_rows):
     """With four k rows per unit switched on (TRELLIS_GV_FOUR_ROW_UNITS; 4096x28672 has 14,336 k-row
     quads of 128 columns, ~7 per resident warp) the integer path takes CFG 10 and gives the
-    reference's product at 1..4 rows, and the two-row configuration's up to fp32 summation order.
-    Off (0), it never takes it; the fp16 path (5..8 rows) never does."""
+    reference's product at 1..4 rows, and the two-row configuration's up to fp32 summation order;
+    so does the fp16 path at 5..8 rows. Off (0), neither takes it."""
     t = rand_layer(4096, 28672, K, "mul1", seed=41 + K)
 
     def cfg10_ran(x, int8):
         names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3), "exl3_gemv_kernel")
         return any(", 10, false, false>" in n for n in names)
 
-    x = torch.randn(1, 4096, device=DEV).half()
+    x, x8 = torch.randn(1, 4096, device=DEV).half(), torch.randn(8, 4096, device=DEV).half()
     four_rows(0)
-    assert not cfg10_ran(x, True)
+    assert not cfg10_ran(x, True) and not cfg10_ran(x8, False)
     four_rows(1)
-    assert cfg10_ran(x, True) and not cfg10_ran(torch.randn(8, 4096, device=DEV).half(), False)
-    for rows in (1, 3, 4):
+    assert cfg10_ran(x, True) and cfg10_ran(x8, False)
+    for rows, int8 in ((1, True), (3, True), (4, True), (5, False), (8, False)):
         x = torch.randn(rows, 4096, device=DEV).half()
         x[:, 11] = 30.0
-        y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        y = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
         assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, rows
         four_rows(0)
-        y2 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        y2 = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
         four_rows(1)
         assert rel_rms(y, y2) < 1e-3, rows
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("K,cb", [(2, "mcg"), (3, "3inst"), (4, "3inst")])
+def test_four_row_units_of_other_codebooks(K, cb, four_rows):
+    """3INST and MCG products always take the fp16 path; on a layer large enough they take four k
+    rows per unit at every row count of one group (1..8) and match the reference."""
+    t = rand_layer(4096, 28672, K, cb, seed=51 + K)
+    four_rows(1)
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, 4096, device=DEV).half()
+        names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", version=3), "exl3_gemv_kernel")
+        assert any(", 10, false, false>" in n for n in names), (rows, names)
+        y = ops.exl3_gemm(x, t, mode="fused", version=3)
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, rows
     assert workspaces_zero()
 
 
@@ -520,3 +535,26 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
             assert rel_rms(got, want) < 2e-3, (mask is None, rel_rms(got, want))
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
+
+
+def test_argmax_kernel_is_torch_argmax():
+    """ops.argmax (one kernel) picks what torch.argmax picks: the first of equal maxima, NaN above
+    everything, -inf rows index 0; fp32 and fp16, strided rows, sizes that fill no block evenly."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    cases = [torch.randn(3, 128256, device=DEV, generator=g),
+             torch.randn(2, 1, 1000, device=DEV, generator=g).half()[:, -1],
+             torch.randn(4, 12345, device=DEV, generator=g)[:, 7:],
+             torch.randn(1, 1, device=DEV, generator=g),
+             torch.randn(70, 8191, device=DEV, generator=g)]
+    ties = torch.zeros(3, 5000, device=DEV)
+    ties[1, [900, 5, 4000]] = 2.0
+    ties[2, [17, 4999]] = float("nan")
+    ties[2, 3] = float("inf")
+    cases.append(ties)
+    cases.append(torch.full((2, 3000), float("-inf"), device=DEV))
+    for x in cases:
+        got = ops.argmax(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:-1]
+        assert torch.equal(got, torch.argmax(x, dim=-1)), x.shape
+    assert ops.argmax(torch.randn(50, device=DEV)).shape == ()
+    assert all(int(b.abs().sum()) == 0 for b in ops._argmax_scratch.values())  # left zero for the next call

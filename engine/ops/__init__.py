@@ -61,7 +61,7 @@ CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "attn"))
 # gate/up), normed (the next norm's prep reads o_proj and down), 1 (both).
 OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 
-# From how many k-row quads per resident warp an integer-path product takes four k rows per unit
+# From how many k-row quads per resident warp a one-group product takes four k rows per unit
 # (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
 # extension when it loads; benchmarks and tests that change it restore this.
 FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
@@ -147,6 +147,10 @@ def _use_cuda(*tensors: torch.Tensor | None) -> bool:
     for t in tensors:
         if t is not None and (not t.is_cuda or t.dtype != torch.float16):
             return False
+    return _kernels_ready()
+
+
+def _kernels_ready() -> bool:
     if _ext is not None:  # hot path: one check per call, nothing else
         return kernels_enabled()
     return kernels_enabled() and kernels_available()
@@ -604,6 +608,35 @@ def as_sum(p: PendingNorm) -> torch.Tensor:
     if p.sum is None:
         p.value()
     return p.sum
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1): one kernel on CUDA (greedy decoding's pick from 128k logits a token,
+    where torch's reduce takes two launches and ~30 us)."""
+    if (x.is_cuda and x.dim() >= 1 and x.dtype in (torch.float32, torch.float16) and x.numel() > 0
+            and x.shape[-1] < 2**31 and x.numel() // x.shape[-1] < 65536 and _kernels_ready()):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        scratch = _zeroed(_argmax_scratch, x.device, 2 * rows.shape[0], 128, torch.int64)
+        return extension().argmax_rows(rows, scratch).reshape(x.shape[:-1])
+    return torch.argmax(x, dim=-1)
+
+
+_argmax_scratch: dict = {}
+
+
+def sample_top_available(logits: torch.Tensor) -> bool:
+    """Whether sample_top can serve a draw from these logits (fp32 on a GPU with the kernels)."""
+    return logits.is_cuda and logits.dtype == torch.float32 and _kernels_ready()
+
+
+def sample_top(vals: torch.Tensor, ids: torch.Tensor, top: torch.Tensor, z: torch.Tensor | None,
+               top_p: float, min_p: float, u: torch.Tensor) -> torch.Tensor:
+    """engine.generate.sampling.choose's steps after top-k, as one kernel (its caller checks
+    sample_top_available): int64 [3] (token, widen, bad)."""
+    return extension().sample_top(vals.float().contiguous(), ids.contiguous(), top.float(),
+                                  None if z is None else z.float(), float(top_p), float(min_p), u)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,165 @@
+// Picking the next token on the GPU: greedy decoding's argmax and the sampler's draw among the
+// most likely tokens. Small, latency-bound kernels that run once per generated token, after the
+// head (engine/ops argmax and sample_top; csrc/PERF_NOTES.md, session 13).
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <utility>
+
+#include "exl3_mm.cuh"
+#include "kernels.h"
+
+namespace trellis {
+
+// A PDL launch where the glue kernels take one (glue_pdl): the argmax waits for the head that
+// writes its logits.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_pdl_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+    return launch_pdl(kernel, grid, block, 0, stream, glue_pdl(), std::forward<Args>(args)...);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argmax of each row: greedy decoding's pick from a step's logits (128k fp32, just written by the
+// head, so in L2) in one launch, where torch's reduce takes two launches and ~30 us. One block
+// reading a whole row was latency-bound (22 us: too few loads in flight), so blocks split the row
+// and meet in one 64-bit atomicMax per row: the key orders by value (NaN above everything, as
+// torch.argmax) and then by the lower index. The block that arrives last takes the answer and
+// leaves the scratch zero for the next call (csrc/PERF_NOTES.md, session 13).
+
+// Larger key: larger value, then lower index. Every element's key is above 0, the scratch's rest.
+__device__ __forceinline__ unsigned long long arg_key(float v, int i) {
+    const uint32_t f = __float_as_uint(v);
+    const uint32_t ord = v != v ? 0xffffffffu : ((f & 0x80000000u) ? ~f : (f | 0x80000000u));
+    return ((unsigned long long)ord << 32) | (uint32_t)~(uint32_t)i;
+}
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(half v) { return __half2float(v); }
+
+constexpr int kArgThreads = 256, kArgAhead = 8;  // 2,048 elements per block, all loads in flight at once
+
+template <typename T>
+__global__ void __launch_bounds__(kArgThreads) argmax_rows_kernel(const T* __restrict__ x, long ld, int n, int rows,
+                                                                  unsigned long long* scratch, int64_t* __restrict__ out) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
+    const int r = blockIdx.y;
+    const T* row = x + (size_t)r * ld;
+    const int first = blockIdx.x * kArgThreads * kArgAhead + threadIdx.x;
+    float v[kArgAhead];
+#pragma unroll
+    for (int j = 0; j < kArgAhead; ++j) {
+        const int i = first + j * kArgThreads;
+        v[j] = i < n ? to_f32(row[i]) : 0.f;
+    }
+    unsigned long long best = 0;
+#pragma unroll
+    for (int j = 0; j < kArgAhead; ++j) {
+        const int i = first + j * kArgThreads;
+        if (i < n) best = max(best, arg_key(v[j], i));
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    __shared__ unsigned long long s_best[kArgThreads / 32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) s_best[warp] = best;
+    __syncthreads();
+    if (threadIdx.x) return;
+#pragma unroll
+    for (int w = 1; w < kArgThreads / 32; ++w) best = max(best, s_best[w]);
+    atomicMax(&scratch[r], best);
+    __threadfence();
+    if (atomicAdd(&scratch[rows + r], 1ull) + 1 == gridDim.x) {  // the last block of the row
+        __threadfence();
+        const unsigned long long key = atomicExch(&scratch[r], 0ull);
+        scratch[rows + r] = 0;
+        out[r] = (int64_t)(uint32_t)~(uint32_t)(key & 0xffffffffull);
+    }
+}
+
+cudaError_t argmax_rows(const void* x, bool f32, long ld, int rows, int n, void* scratch, int64_t* out,
+                        cudaStream_t stream) {
+    if (rows < 1 || rows > 65535 || n < 1) return cudaErrorInvalidValue;
+    const dim3 grid((unsigned)((n + kArgThreads * kArgAhead - 1) / (kArgThreads * kArgAhead)), (unsigned)rows);
+    auto* s = static_cast<unsigned long long*>(scratch);
+    if (f32) return launch_pdl_glue(argmax_rows_kernel<float>, grid, dim3(kArgThreads), stream, (const float*)x, ld, n, rows, s, out);
+    return launch_pdl_glue(argmax_rows_kernel<half>, grid, dim3(kArgThreads), stream, (const half*)x, ld, n, rows, s, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sampler's draw from the most likely tokens (engine/generate/sampling.py, choose): after
+// torch.topk, the probabilities, top-p and min-p cuts and the inverse-CDF draw are some twenty
+// small PyTorch kernels; here they are one block, a token per thread (look <= 1024).
+
+// Inclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024); `total` gets
+// the sum of all threads' values.
+template <typename T>
+__device__ __forceinline__ T block_scan(T v, T& total) {
+    __shared__ T warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T up = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += up;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < warps ? warp_sums[lane] : T(0);
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const T up = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += up;
+        }
+        if (lane < warps) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    if (warp) v += warp_sums[warp - 1];
+    total = warp_sums[warps - 1];
+    __syncthreads();  // warp_sums is reused by the next scan
+    return v;
+}
+
+__global__ void __launch_bounds__(1024) sample_top_kernel(const float* __restrict__ vals, const int64_t* __restrict__ ids,
+                                                          int look, const float* top, const float* z, float top_p,
+                                                          bool min_on, float log_min_p, const double* u,
+                                                          int64_t* __restrict__ out) {
+    __shared__ float s_mass_last;
+    __shared__ double s_cdf_last;
+    const int t = threadIdx.x;
+    const bool live = t < look;
+    const float v0 = vals[0];
+    const float v = live ? vals[t] : -INFINITY;
+    const float e = live ? expf(v - v0) : 0.f;  // softmax's numerator, or the token's share of z
+    float sum;
+    block_scan(e, sum);
+    const float p = e / (z ? *z : sum);
+    float unused;
+    const float mass = block_scan(p, unused);
+    if (t == look - 1) s_mass_last = mass;
+    int keep = look;
+    if (top_p < 1.f) keep = max(1, __syncthreads_count(live && mass - p < top_p));  // a prefix
+    if (min_on) keep = min(keep, max(1, __syncthreads_count(live && v - v0 >= log_min_p)));
+    const double q = t < keep ? exp((double)v - (double)v0) : 0.0;
+    double all;
+    const double cdf = block_scan(q, all);
+    if (t == keep - 1) s_cdf_last = cdf;
+    __syncthreads();
+    const double target = s_cdf_last * *u;
+    const int at = min(__syncthreads_count(t < keep && cdf <= target), keep - 1);  // searchsorted, right
+    if (t == 0) {
+        out[0] = ids[at];
+        out[1] = z != nullptr && top_p < 1.f && s_mass_last < top_p;  // top-p needs more than `look` tokens
+        out[2] = !isfinite(*top);
+    }
+}
+
+cudaError_t sample_top(const float* vals, const int64_t* ids, int look, const float* top, const float* z,
+                       float top_p, bool min_on, float log_min_p, const double* u, int64_t* out, cudaStream_t stream) {
+    if (look < 1 || look > 1024) return cudaErrorInvalidValue;
+    sample_top_kernel<<<1, (look + 31) / 32 * 32, 0, stream>>>(vals, ids, look, top, z, top_p, min_on, log_min_p, u, out);
+    return cudaGetLastError();
+}
+
+}  // namespace trellis
