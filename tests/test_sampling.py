@@ -129,3 +129,35 @@ def test_repetition_penalty_lowers_seen_tokens():
 def test_invalid_settings_are_config_errors(bad):
     with pytest.raises(ConfigError):
         SamplerSettings(**bad).validate()
+
+
+@pytest.mark.parametrize("settings,flat", [
+    (SamplerSettings(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, seed=1), False),
+    (SamplerSettings(temperature=1.0, top_p=0.95, seed=2), False),
+    (SamplerSettings(temperature=1.0, top_p=0.95, seed=2), True),  # top-p must widen past 1,024 tokens
+    (SamplerSettings(temperature=0.8, top_k=50, seed=3), False),
+    (SamplerSettings(temperature=1.0, min_p=0.1, seed=4), False),
+    (SamplerSettings(temperature=1.0, min_p=0.9, seed=4), True),
+    (SamplerSettings(temperature=1.2, seed=5), False),
+])
+def test_sample_next_is_candidates_then_draw(settings, flat):
+    """sample_next runs the filters and the draw as one sync-free pipeline (choose); with the same
+    uniforms it picks the tokens candidates() and draw() define."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(20000, generator=g) * (0.05 if flat else 3.0)
+    gen_a, gen_b = settings.make_generator(), settings.make_generator()
+    scaled = logits / settings.temperature
+    want = []
+    for _ in range(60):
+        vals, ids = candidates(scaled, settings.top_k, settings.top_p, settings.min_p)
+        i = draw(vals, gen_b)
+        want.append(i if ids is None else int(ids[i]))
+    got = [sample_next(logits, settings, gen_a) for _ in range(60)]
+    assert got == want and len(set(got)) > 1
+
+
+def test_sample_next_refuses_logits_it_cannot_draw_from():
+    s = SamplerSettings(temperature=1.0, top_k=5, seed=0)
+    for bad in (torch.full((50,), float("-inf")), torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf")])):
+        with pytest.raises(ValueError, match="no token can be drawn"):
+            sample_next(bad, s, s.make_generator())

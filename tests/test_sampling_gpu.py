@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 from engine.generate.sampling import SamplerSettings, candidates, sample_next  # noqa: E402
 
+DEV = "cuda"
+
 
 @pytest.mark.parametrize("settings", [
     SamplerSettings(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, seed=1),
@@ -39,3 +41,49 @@ def test_same_seed_same_tokens_on_gpu_and_cpu(settings):
         draws[device] = [sample_next(x, settings, gen) for _ in range(100)]
     assert draws["cpu"] == draws["cuda"]
     assert len(set(draws["cpu"])) > 1  # it does sample
+
+
+def test_graphs_widen_top_p_and_stay_few():
+    """Flat logits make top-p look past its first 1,024 tokens (a second graph, larger look) and
+    still draw what the CPU draws; many settings keep at most KEEP graphs."""
+    from engine.generate import sampling_graph
+
+    logits = torch.randn(50000, generator=torch.Generator().manual_seed(1)) * 0.05
+    s = SamplerSettings(temperature=1.0, top_p=0.9, seed=7)
+    draws = {}
+    for device in ("cpu", "cuda"):
+        gen = s.make_generator()
+        draws[device] = [sample_next(logits.to(device), s, gen) for _ in range(20)]
+    assert draws["cpu"] == draws["cuda"] and len(set(draws["cpu"])) > 10
+    assert any(key[-1] > 1024 for key in sampling_graph._graphs)
+    for k in range(1, 10):
+        sample_next(logits.cuda(), SamplerSettings(temperature=1.0, top_k=k, seed=0), None)
+    assert len(sampling_graph._graphs) <= sampling_graph.KEEP
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(50, 1.0, 0.0), (50, 0.9, 0.05), (1000, 0.5, 0.0), (0, 0.95, 0.0),
+                                               (0, 0.9, 0.2), (7, 1.0, 0.3), (0, 0.99, 0.0)])
+def test_sample_top_kernel_is_the_torch_steps(top_k, top_p, min_p, monkeypatch):
+    """The one-block kernel after top-k (ops.sample_top) picks what choose()'s PyTorch steps pick,
+    over many uniforms: the same token, the same widen flag (top-p 0.95 and 0.99 without top-k
+    widen: these logits' top 1,024 tokens hold 0.94 of the mass), and the bad flag for NaN logits."""
+    from engine import ops
+    from engine.generate.sampling import choose
+
+    g = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    logits = (torch.randn(128256, generator=g) * 2.0).cuda()
+    logits[torch.randperm(128256, generator=g)[:300].cuda()] += 8.0
+    us = torch.rand(300, generator=g, dtype=torch.float64).tolist() + [0.0, 1.0 - 2**-53]
+    picks = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(ops, "sample_top_available", lambda x, on=kernel: on)
+        picks[kernel] = [choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=DEV)).tolist()
+                         for u in us]
+    assert picks[True] == picks[False]
+    widens = top_k == 0 and top_p >= 0.95
+    assert all(p[1] == widens for p in picks[True])
+    assert widens or len({p[0] for p in picks[True]}) > 1
+    bad = logits.clone()
+    bad[5] = float("nan")
+    monkeypatch.setattr(ops, "sample_top_available", lambda x: True)
+    assert choose(bad, top_k, top_p, min_p, torch.tensor(0.5, dtype=torch.float64, device=DEV))[2].item() == 1

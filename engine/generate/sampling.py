@@ -11,6 +11,8 @@ vocabulary done naively (a full sort for top-p, torch.multinomial over every tok
 took longer than the step itself (bench/sampling.py). So the filters hand on only the tokens they
 keep (candidates), top-p looks at the most likely tokens first and sorts everything only when
 they do not reach p, and the draw builds its CDF where the logits are and brings back one index.
+sample_next runs the same steps as one pipeline with no host sync (choose), replayed on a GPU as
+one CUDA graph (sampling_graph), so a token costs the host one wait.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import ops
 from engine.errors import ConfigError
 
 
@@ -62,7 +65,7 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
     """Divide positive logits (multiply negative ones) of tokens already present by `penalty`."""
     if penalty == 1.0 or previous_ids.numel() == 0:
         return logits
-    ids = previous_ids.unique()
+    ids = previous_ids.unique().to(logits.device)  # unique where the ids are (the CPU): no device sync
     picked = logits[..., ids]
     logits = logits.clone()
     logits[..., ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
@@ -119,14 +122,74 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return min(i, logits.numel() - 1)
 
 
+def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torch.Tensor,
+           look: int = 1024) -> torch.Tensor:
+    """candidates() and draw() as one pipeline of tensor ops with no host sync, so that a GPU
+    runs it as one CUDA graph (sampling_graph) and the host waits once per token. Returns int64
+    [3]: the token, whether top-p needs more than the `look` most likely tokens (then nothing
+    else is meaningful: sample_next widens and runs again), and whether the logits hold NaN or
+    +inf or nothing finite. `u` is draw()'s uniform as a 0-dim float64 tensor on the logits'
+    device. The survivors keep their places (masked with -inf), not compacted, so their number
+    never reaches the host."""
+    n = logits.shape[-1]
+    top = logits.max()  # NaN if any is NaN; +inf if any is; -inf if all are: one reduction says all three
+    bad = ~torch.isfinite(top)
+    k = top_k if 0 < top_k < n else n
+    no = torch.zeros((), dtype=torch.bool, device=logits.device)
+    if k == n and top_p >= 1.0:  # the whole vocabulary in index order, min-p masking it
+        ids, vals, widen = None, logits, no
+        if min_p > 0.0:
+            vals = logits.masked_fill(logits - top < math.log(min_p), float("-inf"))
+        last = int_where_last(vals) if min_p > 0.0 else torch.full((), n - 1, dtype=torch.long, device=logits.device)
+    else:
+        look = k if k < n else min(n, look)
+        vals, ids = torch.topk(logits, look)  # most likely first
+        whole = look == k or look == n
+        if look <= 1024 and ops.sample_top_available(logits):  # the rest in one kernel, the same steps
+            z = None if whole else torch.exp(logits - vals[0]).sum()
+            return ops.sample_top(vals, ids, top, z, top_p, min_p, u)
+        if whole:  # after top-k the distribution is the k tokens'
+            probs = torch.softmax(vals, dim=-1)
+        else:  # these tokens' share of the whole distribution
+            probs = torch.exp(vals - vals[0]) / torch.exp(logits - vals[0]).sum()
+        mass = torch.cumsum(probs, dim=-1)
+        widen = no if whole or top_p >= 1.0 else mass[-1] < top_p
+        keep = torch.full((), look, dtype=torch.long, device=logits.device)
+        if top_p < 1.0:  # the tokens whose probability before them is under p: a prefix
+            keep = ((mass - probs) < top_p).sum().clamp(min=1)
+        if min_p > 0.0:
+            keep = torch.minimum(keep, (vals - vals[0] >= math.log(min_p)).sum().clamp(min=1))
+        vals = vals.masked_fill(torch.arange(look, device=logits.device) >= keep, float("-inf"))
+        last = keep - 1
+    cdf = torch.cumsum(torch.softmax(vals.double(), dim=-1), dim=-1)
+    i = torch.minimum(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True), last.reshape(1))
+    token = (i if ids is None else ids.index_select(0, i))[0]
+    return torch.stack([token, widen.long(), bad.long()])
+
+
+def int_where_last(vals: torch.Tensor) -> torch.Tensor:
+    """Index of the last entry above -inf (a tensor: no host sync); 0 when there is none."""
+    live = vals > float("-inf")
+    return (torch.arange(vals.numel(), device=vals.device) * live).max()
+
+
 def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator | None = None,
                 previous_ids: torch.Tensor | None = None) -> int:
-    """One token id from fp32 logits [vocab]. `previous_ids` feeds the repetition penalty."""
+    """One token id from fp32 logits [vocab]. `previous_ids` feeds the repetition penalty. One
+    host sync per call: the token (on CUDA the filters and the draw replay as one CUDA graph)."""
+    from engine.generate.sampling_graph import run_choose
+
     logits = logits.float()
     if previous_ids is not None:
-        logits = apply_repetition_penalty(logits, previous_ids.to(logits.device), settings.repetition_penalty)
+        logits = apply_repetition_penalty(logits, previous_ids, settings.repetition_penalty)
     if settings.greedy:
-        return int(torch.argmax(logits, dim=-1))
-    vals, ids = candidates(logits / settings.temperature, settings.top_k, settings.top_p, settings.min_p)
-    i = draw(vals, generator)
-    return i if ids is None else int(ids[i])
+        return int(ops.argmax(logits))
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    look, n = 1024, logits.shape[-1]
+    while True:
+        token, widen, bad = run_choose(logits / settings.temperature, settings.top_k, settings.top_p, settings.min_p, u, look)
+        if bad:
+            raise ValueError("no token can be drawn: the logits are NaN, +inf or all -inf")
+        if not widen or look >= n:
+            return token
+        look = min(n, look * 8)
