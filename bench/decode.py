@@ -23,6 +23,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               default); both without decode chains, as is -noprep
   cuda-graph-fourrows<N>  cuda-graph with four k rows per unit in products of at least N k-row
               quads per resident warp (TRELLIS_GV_FOUR_ROW_UNITS picks the default)
+  cuda-graph-torchargmax  cuda-graph with each token picked by torch.argmax (two launches) instead
+              of ops.argmax (one kernel), as before session 13
+  cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
+              by sample_next / by the sampler before session 12 (batch 1)
   cuda-graph-X+Y+...  the settings of cuda-graph-X, -Y, ... together (e.g.
               cuda-graph-nochain+noattnrope+fourrows0: the defaults before session 12)
   cuda-graph-launchonly / -notail / -nofinish  timing probes, wrong tokens: the K = 4 products
@@ -112,6 +116,24 @@ def decode_graph(model, context: int, tokens: int, batch: int = 1) -> float:
     return tps
 
 
+# How a step's token is picked: ops.argmax (one kernel on CUDA, what greedy generation runs), or
+# torch.argmax for path cuda-graph-torchargmax (what every path used before session 13).
+# Paths cuda-graph-sample / -sampleold: the token drawn as generate() draws it with the app's
+# balanced preset (bench.sampling), by sample_next / by the sampler before session 12.
+PICK = {"torch_argmax": False, "sampler": None}
+
+
+def pick_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """ids [B, 1]: the pick from the last position of logits [B, T, vocab]."""
+    from engine import ops
+
+    last = logits[:, -1]
+    if PICK["sampler"] is not None:  # batch 1, as the generation loop: one id to the host and back
+        draw, settings, gen = PICK["sampler"]
+        return torch.tensor([[draw(last[0].float(), settings, gen)]], dtype=torch.long, device=last.device)
+    return torch.argmax(last, -1, keepdim=True) if PICK["torch_argmax"] else ops.argmax(last)[:, None]
+
+
 def _timed_decode(step, cache, context: int, tokens: int, batch: int = 1) -> float:
     """Tokens/s over all `batch` sequences (each step adds one token to each)."""
     if context:
@@ -119,13 +141,13 @@ def _timed_decode(step, cache, context: int, tokens: int, batch: int = 1) -> flo
     ids = torch.ones(batch, 1, dtype=torch.long, device=cache.device)
     with torch.inference_mode():
         for _ in range(3):
-            ids = step(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = pick_tokens(step(ids))
             int(ids[0, 0])
         cache.truncate(context)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(tokens):
-            ids = step(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = pick_tokens(step(ids))
             int(ids[0, 0])  # host sync per step, like the reference's loop
         dt = time.perf_counter() - t0
     return batch * tokens / dt
@@ -148,7 +170,9 @@ def main(argv=None) -> int:
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
-                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-X+Y (both settings), "
+                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-torchargmax (tokens "
+                         "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
+                         "cuda-graph-X+Y (both settings), "
                          "cuda-graph-launchonly / -notail / -nofinish (timing probes of the products' fixed cost)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
     ap.add_argument("--tokens", type=int, default=128)
@@ -183,6 +207,15 @@ def main(argv=None) -> int:
             return next((v for k, v in table.items() if k in names), default)
 
         ops.GLUE_KERNELS = "cuda-graph-noglue" not in names
+        PICK["torch_argmax"] = "cuda-graph-torchargmax" in names
+        PICK["sampler"] = None
+        if names & {"cuda-graph-sample", "cuda-graph-sampleold"}:
+            from bench.sampling import PRESETS, previous_sample_next
+            from engine.generate.sampling import sample_next
+
+            settings = PRESETS["balanced"]
+            PICK["sampler"] = (previous_sample_next if "cuda-graph-sampleold" in names else sample_next,
+                               settings, settings.make_generator())
         ops.INT8_MAX_ROWS = pick({"cuda-graph-int8": 4, "cuda-graph-fp16": 0}, int8_default)
         ops.ATTN_KERNEL = attn_default and "cuda-graph-sdpa" not in names
         ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names
@@ -237,12 +270,12 @@ def graph_breakdown(model, tokens: int = 8) -> dict:
     ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         for _ in range(3):
-            ids = decoder.step(ids)[:, -1:].argmax(-1)
+            ids = pick_tokens(decoder.step(ids))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for _ in range(tokens):
-                ids = decoder.step(ids)[:, -1:].argmax(-1)
+                ids = pick_tokens(decoder.step(ids))
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
@@ -252,6 +285,11 @@ def graph_breakdown(model, tokens: int = 8) -> dict:
         us, n = total.get(name, (0.0, 0))
         total[name] = (us + e.time_range.elapsed_us(), n + 1)
     busy = sum(us for us, _ in total.values())
+    if os.environ.get("TRELLIS_TIMELINE"):  # one token's kernels in order, for gap analysis
+        last = sorted(kernels, key=lambda e: e.time_range.start)[-(len(kernels) // tokens):]
+        t0 = last[0].time_range.start
+        with open(os.environ["TRELLIS_TIMELINE"], "w") as f:
+            json.dump([[e.name[:80], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in last], f)
     top = sorted(total.items(), key=lambda kv: -kv[1][0])[:12]
     return {"bench": "decode_breakdown", "tokens": tokens, "kernels_per_token": round(len(kernels) / tokens, 1),
             "kernel_us_per_token": round(busy / tokens, 1), "wall_us_per_token": round(wall * 1e6 / tokens, 1),

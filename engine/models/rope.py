@@ -77,17 +77,21 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for given positions; cached inv_freq lives on the model's device."""
+    """cos/sin tables for given positions; cached inv_freq lives on the model's device.
+
+    A decode step runs this once per token, so it is kept to few kernels: the frequencies are
+    stored already repeated for both halves, and the scaling is skipped where it is 1."""
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq_both", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: LongTensor [T] → cos, sin [T, head_dim] in `dtype` (angles in fp32)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = angles.cos() * self.attention_scaling
-        sin = angles.sin() * self.attention_scaling
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq_both[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
