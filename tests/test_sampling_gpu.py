@@ -87,3 +87,22 @@ def test_sample_top_kernel_is_the_torch_steps(top_k, top_p, min_p, monkeypatch):
     bad[5] = float("nan")
     monkeypatch.setattr(ops, "sample_top_available", lambda x: True)
     assert choose(bad, top_k, top_p, min_p, torch.tensor(0.5, dtype=torch.float64, device=DEV))[2].item() == 1
+
+
+def test_a_failed_capture_falls_back_to_eager_draws(monkeypatch):
+    """If a sampler graph cannot be captured, the draw still happens (eagerly, the same token) and
+    later draws skip capturing."""
+    from engine.generate import sampling_graph
+
+    def refuse(*args):
+        raise RuntimeError("capture refused")
+
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 3
+    s = SamplerSettings(temperature=0.9, top_k=40, seed=11)
+    want = [sample_next(logits, s, g) for g in [s.make_generator()] for _ in range(10)]
+    monkeypatch.setattr(sampling_graph, "_capture", refuse)
+    monkeypatch.setattr(sampling_graph, "_graphs", sampling_graph.OrderedDict())
+    monkeypatch.setitem(sampling_graph.DISABLED, "why", "")
+    gen = s.make_generator()
+    assert [sample_next(logits.cuda(), s, gen) for _ in range(10)] == want
+    assert "capture refused" in sampling_graph.DISABLED["why"] and not sampling_graph._graphs

@@ -1,13 +1,15 @@
 """sampling.choose as one CUDA graph per sampler setting.
 
-On the GPU, choose() is some thirty small kernels; launched one by one from Python they cost more
-host time than the draw is worth (bench/sampling.py: ~0.3-0.5 ms a token, a tenth of a decode
-step). Captured once per (device, vocabulary, settings) and replayed, a token costs three
-launches (the logits and the uniform into the graph's inputs, the replay) and one sync. On the
-CPU choose() runs as it is.
+On the GPU, choose() is a dozen small kernels or more (thirty where no sample_top kernel serves);
+launched one by one from Python they cost more host time than the draw is worth (bench/sampling.py:
+0.3-0.5 ms a token, a tenth of a decode step). Captured once per (device, vocabulary, settings)
+and replayed, a token costs three launches (the logits and the uniform into the graph's inputs,
+the replay) and one sync. A failed capture is reported once, and choose() then runs eagerly, as
+it always does on the CPU.
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ class ChooseGraph:
 
 
 _graphs: "OrderedDict[tuple, ChooseGraph]" = OrderedDict()
+DISABLED = {"why": ""}  # set when a capture failed: later draws run choose() eagerly
 
 
 def _capture(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, look: int) -> ChooseGraph:
@@ -38,21 +41,34 @@ def _capture(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, look:
         choose(static, top_k, top_p, min_p, u, look)
     torch.cuda.current_stream(logits.device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the worker's command thread may query device memory meanwhile (as graph_decode).
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = choose(static, top_k, top_p, min_p, u, look)
     return ChooseGraph(static, u, out, graph)
+
+
+def _eager(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float, look: int) -> tuple[int, bool, bool]:
+    token, widen, bad = choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=logits.device),
+                               look).tolist()
+    return token, bool(widen), bool(bad)
 
 
 def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
                look: int = 1024) -> tuple[int, bool, bool]:
     """choose() on these logits with uniform u: (token, widen, bad), one host sync."""
-    if logits.device.type != "cuda":
-        token, widen, bad = choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64), look).tolist()
-        return token, bool(widen), bool(bad)
+    if logits.device.type != "cuda" or DISABLED["why"]:
+        return _eager(logits, top_k, top_p, min_p, u, look)
     key = (logits.device.index, logits.shape[-1], top_k, top_p, min_p, look)
     g = _graphs.get(key)
     if g is None:
-        g = _graphs[key] = _capture(logits, top_k, top_p, min_p, look)
+        try:
+            g = _capture(logits, top_k, top_p, min_p, look)
+        except Exception as e:  # the draw does not need a graph: say so once, go on without
+            DISABLED["why"] = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
+            print(f"trellis: sampler graph capture failed, sampling without graphs ({DISABLED['why']})",
+                  file=sys.stderr, flush=True)
+            return _eager(logits, top_k, top_p, min_p, u, look)
+        _graphs[key] = g
         while len(_graphs) > KEEP:
             _graphs.popitem(last=False)
     _graphs.move_to_end(key)

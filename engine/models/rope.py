@@ -77,7 +77,7 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables for given positions; cached inv_freq lives on the model's device.
+    """cos/sin tables for given positions; the cached frequencies live on the model's device.
 
     A decode step runs this once per token, so it is kept to few kernels: the frequencies are
     stored already repeated for both halves, and the scaling is skipped where it is 1."""
@@ -85,7 +85,6 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(rope, head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("inv_freq_both", torch.cat((inv_freq, inv_freq)), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -611,8 +611,8 @@ def as_sum(p: PendingNorm) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, -1): one kernel on CUDA (greedy decoding's pick from 128k logits a token,
-    where torch's reduce takes two launches and ~30 us)."""
+    """torch.argmax(x, -1): one kernel on CUDA (greedy decoding's pick, once a token from 128k
+    logits, where torch's reduce takes two launches and ~30 us)."""
     if (x.is_cuda and x.dim() >= 1 and x.dtype in (torch.float32, torch.float16) and x.numel() > 0
             and x.shape[-1] < 2**31 and x.numel() // x.shape[-1] < 65536 and _kernels_ready()):
         rows = x.reshape(-1, x.shape[-1])
