@@ -130,7 +130,7 @@ def pick_tokens(logits: torch.Tensor) -> torch.Tensor:
     last = logits[:, -1]
     if PICK["sampler"] is not None:  # batch 1, as the generation loop: one id to the host and back
         draw, settings, gen = PICK["sampler"]
-        return torch.tensor([[draw(last[0].float(), settings, gen)]], dtype=torch.long, device=last.device)
+        return torch.tensor([[draw(last[0], settings, gen)]], dtype=torch.long, device=last.device)
     return torch.argmax(last, -1, keepdim=True) if PICK["torch_argmax"] else ops.argmax(last)[:, None]
 
 

@@ -24,12 +24,6 @@ TRELLIS_DECLARE_MM(7)
 TRELLIS_DECLARE_MM(8)
 #undef TRELLIS_DECLARE_MM
 
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
-                        Args&&... args) {
-    return launch_pdl(kernel, grid, block, 0, stream, glue_pdl(), std::forward<Args>(args)...);
-}
-
 cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
     if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;

@@ -264,6 +264,13 @@ cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// A glue kernel's launch: a programmatic dependent where glue_pdl says so, no dynamic shared memory.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                        Args&&... args) {
+    return launch_pdl(kernel, grid, block, 0, stream, glue_pdl(), std::forward<Args>(args)...);
+}
+
 // Per-warp cp.async ring over the k tiles [i0, i1) of column tile j. Each warp owns its ring,
 // so the main loop needs only __syncwarp, never a block barrier.
 template <int K>

@@ -5,19 +5,10 @@
 #include <math.h>
 #include <stdint.h>
 
-#include <utility>
-
 #include "exl3_mm.cuh"
 #include "kernels.h"
 
 namespace trellis {
-
-// A PDL launch where the glue kernels take one (glue_pdl): the argmax waits for the head that
-// writes its logits.
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_pdl_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-    return launch_pdl(kernel, grid, block, 0, stream, glue_pdl(), std::forward<Args>(args)...);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Argmax of each row: greedy decoding's pick from a step's logits (128k fp32, just written by the
@@ -83,8 +74,8 @@ cudaError_t argmax_rows(const void* x, bool f32, long ld, int rows, int n, void*
     if (rows < 1 || rows > 65535 || n < 1) return cudaErrorInvalidValue;
     const dim3 grid((unsigned)((n + kArgThreads * kArgAhead - 1) / (kArgThreads * kArgAhead)), (unsigned)rows);
     auto* s = static_cast<unsigned long long*>(scratch);
-    if (f32) return launch_pdl_glue(argmax_rows_kernel<float>, grid, dim3(kArgThreads), stream, (const float*)x, ld, n, rows, s, out);
-    return launch_pdl_glue(argmax_rows_kernel<half>, grid, dim3(kArgThreads), stream, (const half*)x, ld, n, rows, s, out);
+    if (f32) return launch_glue(argmax_rows_kernel<float>, grid, dim3(kArgThreads), stream, (const float*)x, ld, n, rows, s, out);
+    return launch_glue(argmax_rows_kernel<half>, grid, dim3(kArgThreads), stream, (const half*)x, ld, n, rows, s, out);
 }
 
 // ---------------------------------------------------------------------------------------------

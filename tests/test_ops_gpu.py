@@ -536,7 +536,6 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
 
-
 def test_argmax_kernel_is_torch_argmax():
     """ops.argmax (one kernel) picks what torch.argmax picks: the first of equal maxima, NaN above
     everything, -inf rows index 0; fp32 and fp16, strided rows, sizes that fill no block evenly."""

@@ -109,13 +109,16 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
     return vals[:keep], ids[:keep]
 
 
+NO_DRAW = "no token can be drawn: the logits are NaN, +inf or all -inf"
+
+
 def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """An index into `logits` drawn from their softmax, by inverse CDF with one uniform from
     `generator` (a CPU generator, so one seed gives one answer on any device). The CDF is built
     where the logits are; only the index comes back."""
     finite = torch.isfinite(logits)
     if not bool((finite | (logits == float("-inf"))).all() & finite.any()):  # one sync for both
-        raise ValueError("no token can be drawn: the logits are NaN, +inf or all -inf")
+        raise ValueError(NO_DRAW)
     cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
     i = int(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True))
@@ -133,11 +136,13 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
     never reaches the host."""
     n = logits.shape[-1]
     top = logits.max()  # NaN if any is NaN; +inf if any is; -inf if all are: one reduction says all three
-    bad = ~torch.isfinite(top)
     k = top_k if 0 < top_k < n else n
-    no = torch.zeros((), dtype=torch.bool, device=logits.device)
+
+    def never() -> torch.Tensor:  # a widen flag that cannot be set (made only where needed: a kernel each)
+        return torch.zeros((), dtype=torch.bool, device=logits.device)
+
     if k == n and top_p >= 1.0:  # the whole vocabulary in index order, min-p masking it
-        ids, vals, widen = None, logits, no
+        ids, vals, widen = None, logits, never()
         if min_p > 0.0:
             vals = logits.masked_fill(logits - top < math.log(min_p), float("-inf"))
         last = int_where_last(vals) if min_p > 0.0 else torch.full((), n - 1, dtype=torch.long, device=logits.device)
@@ -145,15 +150,14 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
         look = k if k < n else min(n, look)
         vals, ids = torch.topk(logits, look)  # most likely first
         whole = look == k or look == n
+        # After top-k the distribution is the k tokens'; otherwise these tokens' share of the whole
+        # distribution, over z.
+        z = None if whole else torch.exp(logits - vals[0]).sum()
         if look <= 1024 and ops.sample_top_available(logits):  # the rest in one kernel, the same steps
-            z = None if whole else torch.exp(logits - vals[0]).sum()
             return ops.sample_top(vals, ids, top, z, top_p, min_p, u)
-        if whole:  # after top-k the distribution is the k tokens'
-            probs = torch.softmax(vals, dim=-1)
-        else:  # these tokens' share of the whole distribution
-            probs = torch.exp(vals - vals[0]) / torch.exp(logits - vals[0]).sum()
+        probs = torch.softmax(vals, dim=-1) if whole else torch.exp(vals - vals[0]) / z
         mass = torch.cumsum(probs, dim=-1)
-        widen = no if whole or top_p >= 1.0 else mass[-1] < top_p
+        widen = never() if whole or top_p >= 1.0 else mass[-1] < top_p
         keep = torch.full((), look, dtype=torch.long, device=logits.device)
         if top_p < 1.0:  # the tokens whose probability before them is under p: a prefix
             keep = ((mass - probs) < top_p).sum().clamp(min=1)
@@ -164,7 +168,7 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
     cdf = torch.cumsum(torch.softmax(vals.double(), dim=-1), dim=-1)
     i = torch.minimum(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True), last.reshape(1))
     token = (i if ids is None else ids.index_select(0, i))[0]
-    return torch.stack([token, widen.long(), bad.long()])
+    return torch.stack([token, widen.long(), (~torch.isfinite(top)).long()])
 
 
 def int_where_last(vals: torch.Tensor) -> torch.Tensor:
@@ -189,7 +193,7 @@ def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torc
     while True:
         token, widen, bad = run_choose(logits / settings.temperature, settings.top_k, settings.top_p, settings.min_p, u, look)
         if bad:
-            raise ValueError("no token can be drawn: the logits are NaN, +inf or all -inf")
+            raise ValueError(NO_DRAW)
         if not widen or look >= n:
             return token
         look = min(n, look * 8)

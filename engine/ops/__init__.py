@@ -634,9 +634,8 @@ def sample_top_available(logits: torch.Tensor) -> bool:
 def sample_top(vals: torch.Tensor, ids: torch.Tensor, top: torch.Tensor, z: torch.Tensor | None,
                top_p: float, min_p: float, u: torch.Tensor) -> torch.Tensor:
     """engine.generate.sampling.choose's steps after top-k, as one kernel (its caller checks
-    sample_top_available): int64 [3] (token, widen, bad)."""
-    return extension().sample_top(vals.float().contiguous(), ids.contiguous(), top.float(),
-                                  None if z is None else z.float(), float(top_p), float(min_p), u)
+    sample_top_available, so everything here is fp32 and fresh from topk): int64 [3] (token, widen, bad)."""
+    return extension().sample_top(vals, ids, top, z, float(top_p), float(min_p), u)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
