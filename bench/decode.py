@@ -27,6 +27,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               of ops.argmax (one kernel), as before session 13
   cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
               by sample_next / by the sampler before session 12 (batch 1)
+  cuda-graph-pipelined  cuda-graph with each step queued with the device's token before the host
+              reads it (engine.generate.loop's pipelined loop: sampling.pick_next, PendingToken;
+              batch 1); cuda-graph-sample+pipelined draws with the balanced preset
   cuda-graph-X+Y+...  the settings of cuda-graph-X, -Y, ... together (e.g.
               cuda-graph-nochain+noattnrope+fourrows0: the defaults before session 12)
   cuda-graph-launchonly / -notail / -nofinish  timing probes, wrong tokens: the K = 4 products
@@ -120,7 +123,7 @@ def decode_graph(model, context: int, tokens: int, batch: int = 1) -> float:
 # torch.argmax for path cuda-graph-torchargmax (what every path used before session 13).
 # Paths cuda-graph-sample / -sampleold: the token drawn as generate() draws it with the app's
 # balanced preset (bench.sampling), by sample_next / by the sampler before session 12.
-PICK = {"torch_argmax": False, "sampler": None}
+PICK = {"torch_argmax": False, "sampler": None, "pipelined": False}
 
 
 def pick_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -138,6 +141,8 @@ def _timed_decode(step, cache, context: int, tokens: int, batch: int = 1) -> flo
     """Tokens/s over all `batch` sequences (each step adds one token to each)."""
     if context:
         cache.advance(context)  # the cache content does not change the work done
+    if PICK["pipelined"]:
+        return _timed_pipelined(step, cache, context, tokens, batch)
     ids = torch.ones(batch, 1, dtype=torch.long, device=cache.device)
     with torch.inference_mode():
         for _ in range(3):
@@ -151,6 +156,36 @@ def _timed_decode(step, cache, context: int, tokens: int, batch: int = 1) -> flo
             int(ids[0, 0])  # host sync per step, like the reference's loop
         dt = time.perf_counter() - t0
     return batch * tokens / dt
+
+
+def _timed_pipelined(step, cache, context: int, tokens: int, batch: int) -> float:
+    """_timed_decode as the generation loop pipelines it: step t+1 is queued with the device's
+    token t before the host reads token t (what engine.generate.loop runs with graphs)."""
+    from engine.generate.sampling import SamplerSettings, pick_next
+
+    if batch != 1:
+        raise ValueError("the pipelined loop decodes one sequence")
+    settings, gen = PICK["sampler"][1:] if PICK["sampler"] is not None else (SamplerSettings(), None)
+
+    def run(n: int) -> None:  # n steps
+        pending = pick_next(step(torch.ones(1, 1, dtype=torch.long, device=cache.device))[0, -1], settings, gen)
+        for _ in range(n - 1):
+            logits = step(pending.ids)
+            token = pending.result()
+            if pending.redrawn:  # as the loop does: the queued step is taken back and rerun
+                cache.truncate(cache.length - 1)
+                logits = step(torch.tensor([[token]], dtype=torch.long, device=cache.device))
+            pending = pick_next(logits[0, -1], settings, gen)
+        pending.result()
+
+    with torch.inference_mode():
+        run(3)
+        cache.truncate(context)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(tokens)
+        dt = time.perf_counter() - t0
+    return tokens / dt
 
 
 def main(argv=None) -> int:
@@ -172,6 +207,7 @@ def main(argv=None) -> int:
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
                          "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
+                         "cuda-graph-pipelined (each step queued before the host reads the token before it), "
                          "cuda-graph-X+Y (both settings), "
                          "cuda-graph-launchonly / -notail / -nofinish (timing probes of the products' fixed cost)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[0, 4096])
@@ -209,6 +245,7 @@ def main(argv=None) -> int:
         ops.GLUE_KERNELS = "cuda-graph-noglue" not in names
         PICK["torch_argmax"] = "cuda-graph-torchargmax" in names
         PICK["sampler"] = None
+        PICK["pipelined"] = "cuda-graph-pipelined" in names
         if names & {"cuda-graph-sample", "cuda-graph-sampleold"}:
             from bench.sampling import PRESETS, previous_sample_next
             from engine.generate.sampling import sample_next

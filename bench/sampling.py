@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.generate.sampling import SamplerSettings, apply_repetition_penalty, sample_next
+from engine.generate.sampling import SamplerSettings, apply_repetition_penalty, pick_next, sample_next
 
 # The app's presets (app/settings.py) and the worker protocol's defaults.
 PRESETS = {
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: each preset's kernels per pick (pick_next, no host wait) and their summed time")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -82,7 +84,30 @@ def main(argv=None) -> int:
                           "top_token_prob": round(float(torch.softmax(logits.float(), -1).max()), 3),
                           "us": round(now, 1), "previous_us": round(before, 1),
                           "speedup": round(before / now, 2)}), flush=True)
+        if args.profile and device.type == "cuda":
+            print(json.dumps(gpu_kernels(lambda: pick_next(logits, s, gen).result(), name)), flush=True)
     return 0
+
+
+def gpu_kernels(fn, preset: str, calls: int = 20) -> dict:
+    """The GPU side of a pick, which the pipelined generation loop puts between two decode steps:
+    kernels and copies per call, by name, and their sum."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            per[e.name[:70]] = per.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / calls
+    return {"bench": "sampling_gpu", "preset": preset, "gpu_us_per_pick": round(sum(per.values()), 1),
+            "kernels": {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}}
 
 
 if __name__ == "__main__":

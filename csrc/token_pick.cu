@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(kArgThreads) argmax_rows_kernel(const T* __res
 #pragma unroll
     for (int w = 1; w < kArgThreads / 32; ++w) best = max(best, s_best[w]);
     atomicMax(&scratch[r], best);
-    __threadfence();
+    fence_acq_rel_gpu();  // release: this block's atomicMax before its count (as the products' counts)
     if (atomicAdd(&scratch[rows + r], 1ull) + 1 == gridDim.x) {  // the last block of the row
-        __threadfence();
+        fence_acq_rel_gpu();  // acquire: every block counted has its atomicMax visible
         const unsigned long long key = atomicExch(&scratch[r], 0ull);
         scratch[rows + r] = 0;
         out[r] = (int64_t)(uint32_t)~(uint32_t)(key & 0xffffffffull);

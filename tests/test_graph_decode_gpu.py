@@ -157,3 +157,66 @@ def test_worker_host_reserves_the_graph_cache(ref_fixtures):
     assert decoder.cache is cache and decoder.graphs and decoder.disabled is None
     assert out.stats.generated_tokens > 0 and "".join(texts) == out.text
     host.unload()
+
+
+
+@pytest.mark.parametrize("case", ["greedy", "sampled", "widening"])
+def test_pipelined_generation_equals_the_plain_loop(ref_fixtures, fixture_model, tmp_path, monkeypatch, case):
+    """With graphs, generate() queues each step with the device's token before reading it; it must
+    pick what the host-synchronous loop picks. Greedy runs on the EXL3 fixture. The draws run on a
+    tiny fp32 model: on a random model's flat distribution over 512 tokens a draw moves to the
+    next token when the logits change in the last fp16 bit, and the EXL3 products' atomics make
+    such changes from run to run. In "widening" top-p looks at 16 candidates first and a 0.995
+    cut needs more on most draws, so the host draws again and the queued step is taken back."""
+    import engine.generate.sampling as sampling
+    from engine.tokenizer import Tokenizer
+
+    manifest = json.loads((ref_fixtures / "manifest.json").read_text())
+    prompt = manifest["models"][TAG]["prompt_ids"]
+    tok = Tokenizer.from_dir(ref_fixtures / "exl3" / TAG)
+    tok.eos_ids = set()
+    if case == "greedy":
+        model, settings = fixture_model, SamplerSettings()
+    else:
+        model = tiny_model("llama", tmp_path, device="cuda", dtype=torch.float32)
+        prompt = [i % model.config.vocab_size for i in prompt]
+        settings = (SamplerSettings(temperature=1.0, top_p=0.9, min_p=0.02, seed=5) if case == "sampled"
+                    else SamplerSettings(temperature=1.2, top_p=0.995, seed=9))
+    if case == "widening":
+        monkeypatch.setattr(sampling, "FIRST_LOOK", 16)
+    redraws = []
+    read = sampling.PendingToken.result
+
+    def counted(self):
+        token = read(self)
+        redraws.append(self.redrawn)
+        return token
+
+    monkeypatch.setattr(sampling.PendingToken, "result", counted)
+    monkeypatch.setenv("TRELLIS_PIPELINE", "0")
+    plain = generate(model, tok, prompt, 40, settings)
+    assert generate(model, tok, prompt, 40, settings).token_ids == plain.token_ids, "the plain loop is not repeatable"
+    monkeypatch.setenv("TRELLIS_PIPELINE", "1")
+    redraws.clear()
+    piped = generate(model, tok, prompt, 40, settings)
+    assert graph_decoder(model).disabled is None
+    assert piped.token_ids == plain.token_ids and len(plain.token_ids) == 40
+    if case == "widening":
+        assert any(redraws), "no draw widened: the test does not reach the redraw path"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_cache_mask_on_the_gpu(window):
+    """The additive one-token mask (one where() instead of zeros, not and masked_fill): 0 where
+    the slot may be attended, -inf elsewhere, in the cache dtype."""
+    from engine.cache.static import StaticKVCache
+
+    cache = StaticKVCache(1, 1, 1, 64, 300, torch.float16, "cuda", min_span=16)
+    for length in (0, 3, 15, 16, 200):
+        cache.reset()
+        cache.advance(length)
+        got = cache.mask(1, window)
+        keys = torch.arange(cache.span(1), device="cuda")
+        allowed = (keys <= length) & ((keys > length - window) if window else True)
+        want = torch.zeros(keys.shape, dtype=torch.float16, device="cuda").masked_fill_(~allowed, float("-inf"))
+        assert got.dtype == torch.float16 and torch.equal(got, want[None, :])

@@ -41,6 +41,11 @@ def test_same_seed_same_tokens_on_gpu_and_cpu(settings):
         draws[device] = [sample_next(x, settings, gen) for _ in range(100)]
     assert draws["cpu"] == draws["cuda"]
     assert len(set(draws["cpu"])) > 1  # it does sample
+    # ... and on the GPU as a captured graph: an op that reads a device value on the host would
+    # fail the capture (the draw then runs eagerly, as slow as before the graphs)
+    from engine.generate import sampling_graph
+
+    assert sampling_graph.DISABLED["why"] == "" and sampling_graph._graphs
 
 
 def test_graphs_widen_top_p_and_stay_few():
@@ -83,10 +88,13 @@ def test_sample_top_kernel_is_the_torch_steps(top_k, top_p, min_p, monkeypatch):
     widens = top_k == 0 and top_p >= 0.95
     assert all(p[1] == widens for p in picks[True])
     assert widens or len({p[0] for p in picks[True]}) > 1
-    bad = logits.clone()
-    bad[5] = float("nan")
     monkeypatch.setattr(ops, "sample_top_available", lambda x: True)
-    assert choose(bad, top_k, top_p, min_p, torch.tensor(0.5, dtype=torch.float64, device=DEV))[2].item() == 1
+    for value in (float("nan"), float("inf")):  # the max comes from topk's first value: NaN and +inf lead
+        bad = logits.clone()
+        bad[5] = value
+        assert choose(bad, top_k, top_p, min_p, torch.tensor(0.5, dtype=torch.float64, device=DEV))[2].item() == 1
+    nothing = torch.full_like(logits, float("-inf"))
+    assert choose(nothing, top_k, top_p, min_p, torch.tensor(0.5, dtype=torch.float64, device=DEV))[2].item() == 1
 
 
 def test_a_failed_capture_falls_back_to_eager_draws(monkeypatch):

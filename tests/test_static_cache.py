@@ -178,3 +178,17 @@ def test_graphs_enabled_switch(monkeypatch):
     monkeypatch.setenv("TRELLIS_CUDA_GRAPHS", "1")
     assert graphs_enabled(OnCuda())
     assert not graphs_enabled(torch.nn.Linear(2, 2))  # no device attribute, no static cache
+
+
+def test_rope_rows_are_the_rotary_at_the_position(tmp_path):
+    """A one-token step reads cos/sin from the cache's table: the same bits as the rotary computes
+    for that position (Llama 3 scaling here), in each dtype asked for."""
+    model = tiny_model("llama", tmp_path)
+    cache = model.new_static_cache(1, 40)
+    for dtype in (torch.float32, torch.float16, torch.float32):
+        for p in (0, 7, 39):
+            cache.position.fill_(p)
+            cos, sin = cache.rope_rows(model.rotary, dtype)
+            want_cos, want_sin = model.rotary(torch.tensor([p]), dtype)
+            assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert len(cache._rope_tables) == 1  # one table per rotary, remade for another dtype

@@ -34,6 +34,8 @@ class StaticKVCache(KVCache):
         self.min_span = min_span
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.slots = torch.arange(max_len, device=self.device)  # slot i holds the token at position i
+        self._attend, self._hide = (torch.tensor(v, dtype=dtype, device=self.device) for v in (0.0, float("-inf")))
+        self._rope_tables: dict = {}
 
     def span(self, new_tokens: int = 1) -> int:
         """How many slots the next forward attends over: the stored ones exactly for a prefill,
@@ -47,9 +49,11 @@ class StaticKVCache(KVCache):
         return min(span, self.max_len)
 
     def positions(self, new_tokens: int) -> torch.Tensor:
+        """For one token the live counter itself, not a copy (a kernel less per step): it moves
+        on at advance(), so read it before."""
         if new_tokens > 1:
             return super().positions(new_tokens)
-        return self.position.clone()
+        return self.position
 
     def mask(self, new_tokens: int, window: int | None) -> torch.Tensor | None:
         """For one token: [1, span] of the slots at positions p-window < k <= p; bool (True =
@@ -62,9 +66,20 @@ class StaticKVCache(KVCache):
         if window is not None:
             allowed &= keys > self.position - window
         if self.device.type == "cuda":
-            additive = torch.zeros(allowed.shape, dtype=self.keys[0].dtype, device=self.device)
-            return additive.masked_fill_(~allowed, float("-inf"))[None, :]
+            return torch.where(allowed, self._attend, self._hide)[None, :]
         return allowed[None, :]
+
+    def rope_rows(self, rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary(positions, dtype) for a one-token step: cos, sin [1, D] at `position`, one row of
+        a table this cache makes once per rotary (its slots' rows, computed by rotary itself, so
+        the same bits) instead of six elementwise kernels every step. The table lives with the
+        cache, as long as the graphs that read it."""
+        table = self._rope_tables.get(id(rotary))
+        if table is None or table.dtype != dtype:
+            cos, sin = rotary(self.slots, dtype)
+            table = self._rope_tables[id(rotary)] = torch.stack((cos, sin), dim=1)  # [max_len, 2, D]
+        rows = table.index_select(0, self.position)
+        return rows[:, 0], rows[:, 1]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one token's k, v [B, Hkv, 1, D] at `position`; return the first `span` slots

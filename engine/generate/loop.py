@@ -3,6 +3,13 @@ decode one token at a time until EOS, a stop string, the token limit or a cancel
 CUDA device the decode steps are CUDA-graph replays (engine.generate.graph_decode); the prefill
 and the sampler stay eager.
 
+With graphs the loop is pipelined: the token a step chooses stays on the device and feeds the next
+step's graph before the host reads it, so the GPU computes token t+1 while the host waits for
+token t, detokenizes it and streams it. Only a top-p draw that needs more candidates than the
+first look (rare) makes the host draw again; the step queued with the device's token is then
+taken back (the cache truncated) and run again with the right one. TRELLIS_PIPELINE=0 turns it
+off (a host round trip between every two steps, as before).
+
 Streaming is the subtle part. A token can end in the middle of a UTF-8 character (byte-level BPE
 splits emoji and CJK across tokens), and a stop string can be split across tokens too. So text is
 only handed to `on_text` once it is final: complete characters that cannot turn out to be the
@@ -10,6 +17,7 @@ start of a stop string. The concatenation of all `on_text` deltas always equals 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -18,7 +26,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.generate.graph_decode import graph_decoder
-from engine.generate.sampling import SamplerSettings, sample_next
+from engine.generate.sampling import SamplerSettings, pick_next
 
 REPLACEMENT_CHAR = "\ufffd"  # what the decoder yields for an incomplete UTF-8 sequence
 
@@ -139,6 +147,11 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+def pipelined() -> bool:
+    """Whether graph decoding queues each step before the host reads the previous token."""
+    return os.environ.get("TRELLIS_PIPELINE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
              sampler: SamplerSettings | None = None, stop_strings: Sequence[str] = (),
              on_text: Callable[[str], None] | None = None,
@@ -178,27 +191,41 @@ def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
             cache = graphs.new_cache(1, max_len) if graphs else model.new_cache(1, max_len)
             logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache=cache)[0, -1]
         first_token_at = None
+        pipeline = graphs is not None and pipelined()
+
+        def pick(logits):
+            return pick_next(logits, sampler, generator, history if sampler.repetition_penalty != 1.0 else None)
+
+        def step_with(ids):
+            return (graphs.step(ids) if graphs else model(ids, cache=cache))[0, -1]
+
+        pending = pick(logits) if max_new_tokens > 0 else None
         for step in range(max_new_tokens):
             if should_stop is not None and should_stop():
                 finish_reason = "cancelled"
                 break
-            previous = history if sampler.repetition_penalty != 1.0 else None
-            token = sample_next(logits, sampler, generator, previous)
+            last = step + 1 >= max_new_tokens
+            queued = step_with(pending.ids) if pipeline and not last else None
+            token = pending.result()
+            if pending.redrawn and queued is not None:  # the queued step used another token
+                cache.truncate(cache.length - 1)
+                queued = None
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             if token in eos_ids:
                 finish_reason = "eos"
                 break
             generated.append(token)
-            if previous is not None:
+            if sampler.repetition_penalty != 1.0:
                 history = torch.cat([history, torch.tensor([token])])
             emit(stops.feed(decoder.push(token)))
             if stops.stopped:
                 finish_reason = "stop"
                 break
-            if step + 1 < max_new_tokens:
-                ids = torch.tensor([[token]], dtype=torch.long, device=device)
-                logits = (graphs.step(ids) if graphs else model(ids, cache=cache))[0, -1]
+            if not last:
+                if queued is None:
+                    queued = step_with(torch.tensor([[token]], dtype=torch.long, device=device))
+                pending = pick(queued)
     if not stops.stopped:
         emit(stops.feed(decoder.flush()))
         if stops.stopped:

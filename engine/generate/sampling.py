@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,7 +66,11 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
     """Divide positive logits (multiply negative ones) of tokens already present by `penalty`."""
     if penalty == 1.0 or previous_ids.numel() == 0:
         return logits
-    ids = previous_ids.unique().to(logits.device)  # unique where the ids are (the CPU): no device sync
+    ids = previous_ids.unique()  # where the ids are (the CPU in generation): no device sync
+    if logits.is_cuda and not ids.is_cuda:  # from pinned memory: the copy waits for no queued step
+        ids = ids.pin_memory().to(logits.device, non_blocking=True)
+    else:
+        ids = ids.to(logits.device)
     picked = logits[..., ids]
     logits = logits.clone()
     logits[..., ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
@@ -119,10 +124,18 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
     finite = torch.isfinite(logits)
     if not bool((finite | (logits == float("-inf"))).all() & finite.any()):  # one sync for both
         raise ValueError(NO_DRAW)
-    cdf = torch.cumsum(torch.softmax(logits.double(), dim=-1), dim=-1)
+    cdf = weights_cdf(logits, logits.max())
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
     i = int(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True))
     return min(i, logits.numel() - 1)
+
+
+def weights_cdf(vals: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The running sum of exp(vals - top) in float64: the softmax's CDF times its total, which is
+    all an inverse-CDF draw needs (it scales the uniform by the last entry). Not softmax then
+    cumsum: on a GPU the softmax of one 128k row is one block, ~90 us (bench/sampling.py
+    --profile), where these elementwise and scan kernels spread over the device."""
+    return torch.cumsum(torch.exp(vals.double() - top.double()), dim=-1)
 
 
 def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torch.Tensor,
@@ -135,13 +148,18 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
     device. The survivors keep their places (masked with -inf), not compacted, so their number
     never reaches the host."""
     n = logits.shape[-1]
-    top = logits.max()  # NaN if any is NaN; +inf if any is; -inf if all are: one reduction says all three
     k = top_k if 0 < top_k < n else n
 
     def never() -> torch.Tensor:  # a widen flag that cannot be set (made only where needed: a kernel each)
         return torch.zeros((), dtype=torch.bool, device=logits.device)
 
     if k == n and top_p >= 1.0:  # the whole vocabulary in index order, min-p masking it
+        # The max: NaN if any is NaN, +inf if any is, -inf if all are, so one value says all three.
+        # Read at ops.argmax's index (which orders NaN first, as torch.argmax): on a GPU one small
+        # kernel and a gather, where torch's reduce of one 128k row takes ~15 us. index_select,
+        # not logits[index]: a 0-dim index tensor would be read on the host (a sync, which also
+        # breaks the graph capture).
+        top = logits.index_select(0, ops.argmax(logits).reshape(1)).squeeze(0)
         ids, vals, widen = None, logits, never()
         if min_p > 0.0:
             vals = logits.masked_fill(logits - top < math.log(min_p), float("-inf"))
@@ -149,6 +167,7 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
     else:
         look = k if k < n else min(n, look)
         vals, ids = torch.topk(logits, look)  # most likely first
+        top = vals[0]  # the max, as logits.max() (topk puts NaN above +inf), without its reduction
         whole = look == k or look == n
         # After top-k the distribution is the k tokens'; otherwise these tokens' share of the whole
         # distribution, over z.
@@ -165,7 +184,7 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
             keep = torch.minimum(keep, (vals - vals[0] >= math.log(min_p)).sum().clamp(min=1))
         vals = vals.masked_fill(torch.arange(look, device=logits.device) >= keep, float("-inf"))
         last = keep - 1
-    cdf = torch.cumsum(torch.softmax(vals.double(), dim=-1), dim=-1)
+    cdf = weights_cdf(vals, top)
     i = torch.minimum(torch.searchsorted(cdf, (cdf[-1] * u).reshape(1), right=True), last.reshape(1))
     token = (i if ids is None else ids.index_select(0, i))[0]
     return torch.stack([token, widen.long(), (~torch.isfinite(top)).long()])
@@ -177,23 +196,77 @@ def int_where_last(vals: torch.Tensor) -> torch.Tensor:
     return (torch.arange(vals.numel(), device=vals.device) * live).max()
 
 
-def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator | None = None,
-                previous_ids: torch.Tensor | None = None) -> int:
-    """One token id from fp32 logits [vocab]. `previous_ids` feeds the repetition penalty. One
-    host sync per call: the token (on CUDA the filters and the draw replay as one CUDA graph)."""
-    from engine.generate.sampling_graph import run_choose
+FIRST_LOOK = 1024  # how many of the most likely tokens top-p looks at before widening
+
+
+@dataclass
+class PendingToken:
+    """A token chosen on the device and not yet read by the host. `ids` ([1, 1] int64 where the
+    logits are) can feed the next decode step before the host knows the token, so the GPU runs
+    that step while the host waits, detokenizes and streams (engine.generate.loop). The pick is
+    copied to pinned host memory as soon as it is queued, so result() waits for the pick only,
+    not for work queued after it. result() reads the token; `redrawn` then says whether the host
+    had to draw again (top-p needing more than the tokens looked at), in which case whatever was
+    fed `ids` used a token that was not the answer and must be taken back."""
+    ids: torch.Tensor
+    out: torch.Tensor           # the pick: int64 [] (greedy) or choose()'s [token, widen, bad]
+    redraw: Callable[[], int] | None = None  # the host's widening draw, for choose() picks
+    redrawn: bool = False
+    ready: torch.cuda.Event | None = None    # recorded after the copy to the host
+
+    def __post_init__(self):
+        if self.out.is_cuda:
+            host = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+            host.copy_(self.out, non_blocking=True)
+            self.out, self.ready = host, torch.cuda.Event()
+            self.ready.record()
+
+    def result(self) -> int:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.out.dim() == 0:
+            return int(self.out)
+        token, widen, bad = self.out.tolist()
+        if bad:
+            raise ValueError(NO_DRAW)
+        if widen:
+            self.redrawn = True
+            return self.redraw()
+        return token
+
+
+def pick_next(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator | None = None,
+              previous_ids: torch.Tensor | None = None) -> PendingToken:
+    """sample_next without the host sync: the token stays on the device until result()."""
+    from engine.generate.sampling_graph import launch_choose, run_choose
 
     logits = logits.float()
     if previous_ids is not None:
         logits = apply_repetition_penalty(logits, previous_ids, settings.repetition_penalty)
     if settings.greedy:
-        return int(ops.argmax(logits))
+        out = ops.argmax(logits)
+        return PendingToken(out.reshape(1, 1), out)
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    look, n = 1024, logits.shape[-1]
-    while True:
-        token, widen, bad = run_choose(logits / settings.temperature, settings.top_k, settings.top_p, settings.min_p, u, look)
-        if bad:
-            raise ValueError(NO_DRAW)
-        if not widen or look >= n:
-            return token
-        look = min(n, look * 8)
+    scaled = logits / settings.temperature  # a tensor of its own: the redraw may read it after the next step
+    n, look = logits.shape[-1], FIRST_LOOK
+    args = (settings.top_k, settings.top_p, settings.min_p, u)
+
+    def redraw() -> int:  # top-p needs more than `look` tokens: widen 8x at a time, a sync each
+        wider = look
+        while True:
+            wider = min(n, wider * 8)
+            token, widen, bad = run_choose(scaled, *args, wider)
+            if bad:
+                raise ValueError(NO_DRAW)
+            if not widen or wider >= n:
+                return token
+
+    out = launch_choose(scaled, *args, look)
+    return PendingToken(out[:1].reshape(1, 1), out, redraw)
+
+
+def sample_next(logits: torch.Tensor, settings: SamplerSettings, generator: torch.Generator | None = None,
+                previous_ids: torch.Tensor | None = None) -> int:
+    """One token id from fp32 logits [vocab]. `previous_ids` feeds the repetition penalty. One
+    host sync per call: the token (on CUDA the filters and the draw replay as one CUDA graph)."""
+    return pick_next(logits, settings, generator, previous_ids).result()

@@ -47,17 +47,13 @@ def _capture(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, look:
     return ChooseGraph(static, u, out, graph)
 
 
-def _eager(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float, look: int) -> tuple[int, bool, bool]:
-    token, widen, bad = choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=logits.device),
-                               look).tolist()
-    return token, bool(widen), bool(bad)
-
-
-def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
-               look: int = 1024) -> tuple[int, bool, bool]:
-    """choose() on these logits with uniform u: (token, widen, bad), one host sync."""
+def launch_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
+                  look: int = 1024) -> torch.Tensor:
+    """choose() on these logits with uniform u, queued: its int64 [3] (token, widen, bad) where
+    the logits are, not read (on a GPU a graph's output buffer, valid until the next launch with
+    the same settings)."""
     if logits.device.type != "cuda" or DISABLED["why"]:
-        return _eager(logits, top_k, top_p, min_p, u, look)
+        return choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=logits.device), look)
     key = (logits.device.index, logits.shape[-1], top_k, top_p, min_p, look)
     g = _graphs.get(key)
     if g is None:
@@ -67,7 +63,7 @@ def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: 
             DISABLED["why"] = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
             print(f"trellis: sampler graph capture failed, sampling without graphs ({DISABLED['why']})",
                   file=sys.stderr, flush=True)
-            return _eager(logits, top_k, top_p, min_p, u, look)
+            return launch_choose(logits, top_k, top_p, min_p, u, look)
         _graphs[key] = g
         while len(_graphs) > KEEP:
             _graphs.popitem(last=False)
@@ -75,5 +71,11 @@ def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: 
     g.logits.copy_(logits)
     g.u.fill_(u)
     g.graph.replay()
-    token, widen, bad = g.out.tolist()
+    return g.out
+
+
+def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
+               look: int = 1024) -> tuple[int, bool, bool]:
+    """choose() on these logits with uniform u: (token, widen, bad), one host sync."""
+    token, widen, bad = launch_choose(logits, top_k, top_p, min_p, u, look).tolist()
     return token, bool(widen), bool(bad)

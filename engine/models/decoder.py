@@ -156,7 +156,7 @@ class DecoderLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         positions, masks = self._attention_inputs(input_ids, cache)
-        cos, sin = self.rotary(positions, self.dtype)
+        cos, sin = self.rope(self.rotary, positions, cache)
 
         x, pending = self.embed(input_ids), None
         for layer in self.layers:

@@ -77,8 +77,8 @@ class GemmaLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         positions, masks = self._attention_inputs(input_ids, cache)
-        rope_global = self.rotary_global(positions, self.dtype)
-        rope_local = self.rotary_local(positions, self.dtype) if self.rotary_local else rope_global
+        rope_global = self.rope(self.rotary_global, positions, cache)
+        rope_local = self.rope(self.rotary_local, positions, cache) if self.rotary_local else rope_global
 
         x = self.embed(input_ids)
         for layer in self.layers:
