@@ -293,3 +293,19 @@ def test_import_gguf_rejects_non_gguf(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GGUF" in err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- bench
+
+def test_bench_wraps_the_benchmarks(capsys):
+    """`trellis bench sampling` runs the sampler benchmark (CPU here): a JSON line per preset."""
+    assert main(["bench", "sampling", "--device", "cpu", "--vocab", "3000", "--calls", "2"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["preset"] for r in rows} >= {"balanced", "greedy", "temperature-only"}
+    assert all(r["us"] > 0 and r["device"] == "cpu" for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where there is no GPU")
+def test_bench_generate_without_a_gpu_says_so(capsys):
+    assert main(["bench", "generate"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"bench": "generate", "error": "no CUDA device"}

@@ -180,7 +180,7 @@ def test_graphs_enabled_switch(monkeypatch):
     assert not graphs_enabled(torch.nn.Linear(2, 2))  # no device attribute, no static cache
 
 
-def test_rope_rows_are_the_rotary_at_the_position(tmp_path):
+def test_rope_rows_are_the_rotary_at_the_position(tmp_path, monkeypatch):
     """A one-token step reads cos/sin from the cache's table: the same bits as the rotary computes
     for that position (Llama 3 scaling here), in each dtype asked for."""
     model = tiny_model("llama", tmp_path)
@@ -192,3 +192,11 @@ def test_rope_rows_are_the_rotary_at_the_position(tmp_path):
             want_cos, want_sin = model.rotary(torch.tensor([p]), dtype)
             assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert len(cache._rope_tables) == 1  # one table per rotary, remade for another dtype
+    import engine.cache.static as static
+
+    monkeypatch.setattr(static, "ROPE_TABLE_CHUNK", 16)  # built in chunks, the last one short
+    chunked = model.new_static_cache(1, 40)
+    chunked.position.fill_(37)
+    assert torch.equal(torch.cat(chunked.rope_rows(model.rotary, torch.float32)),
+                       torch.cat(model.rotary(torch.tensor([37]), torch.float32)))
+    assert torch.equal(chunked._rope_tables[id(model.rotary)][:, 0], model.rotary(torch.arange(40), torch.float32)[0])

@@ -25,6 +25,7 @@ from engine import ops
 from engine.cache.contiguous import KVCache
 
 MIN_SPAN = 256
+ROPE_TABLE_CHUNK = 8192  # positions per step when a cache builds its RoPE table
 
 
 class StaticKVCache(KVCache):
@@ -34,7 +35,9 @@ class StaticKVCache(KVCache):
         self.min_span = min_span
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.slots = torch.arange(max_len, device=self.device)  # slot i holds the token at position i
-        self._attend, self._hide = (torch.tensor(v, dtype=dtype, device=self.device) for v in (0.0, float("-inf")))
+        # The one-token mask's two values (mask(): one where() picks between them).
+        self._attend = torch.zeros((), dtype=dtype, device=self.device)
+        self._hide = torch.full((), float("-inf"), dtype=dtype, device=self.device)
         self._rope_tables: dict = {}
 
     def span(self, new_tokens: int = 1) -> int:
@@ -76,8 +79,15 @@ class StaticKVCache(KVCache):
         cache, as long as the graphs that read it."""
         table = self._rope_tables.get(id(rotary))
         if table is None or table.dtype != dtype:
-            cos, sin = rotary(self.slots, dtype)
-            table = self._rope_tables[id(rotary)] = torch.stack((cos, sin), dim=1)  # [max_len, 2, D]
+            self._rope_tables.pop(id(rotary), None)
+            table = None
+            for start in range(0, self.max_len, ROPE_TABLE_CHUNK):  # chunks: the fp32 angles stay small
+                cos, sin = rotary(self.slots[start:start + ROPE_TABLE_CHUNK], dtype)
+                if table is None:  # [max_len, 2, D]
+                    table = torch.empty(self.max_len, 2, cos.shape[-1], dtype=dtype, device=self.device)
+                table[start:start + cos.shape[0], 0] = cos
+                table[start:start + cos.shape[0], 1] = sin
+            self._rope_tables[id(rotary)] = table
         rows = table.index_select(0, self.position)
         return rows[:, 0], rows[:, 1]
 

@@ -12,7 +12,8 @@ took longer than the step itself (bench/sampling.py). So the filters hand on onl
 keep (candidates), top-p looks at the most likely tokens first and sorts everything only when
 they do not reach p, and the draw builds its CDF where the logits are and brings back one index.
 sample_next runs the same steps as one pipeline with no host sync (choose), replayed on a GPU as
-one CUDA graph (sampling_graph), so a token costs the host one wait.
+one CUDA graph (sampling_graph), so a token costs the host one wait; pick_next leaves the token on
+the device, where the generation loop feeds it to the next step before reading it.
 """
 from __future__ import annotations
 
