@@ -7,10 +7,13 @@
 # carry limit, so it goes over in two parts in back-to-back calls (see that script).
 source bench/gpu_common.sh
 echo "== decode $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph-sdpa cuda-graph --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
+timeout 240 python3 -m bench.decode --paths cuda-graph cuda-graph-pipelined cuda-graph-fp16 cuda-graph-nopdl cuda-graph-nogroup cuda-graph-sdpa cuda-graph cuda-graph-pipelined --contexts 0 4096 --tokens 128 --breakdown 2>&1 | grep -v Warn | tee $OUT/decode.jsonl | cut -c1-1500 | tail -9 | tee -a $L
 # The previous version in the same run: a copy of an earlier commit's engine/csrc/bench under
 # .devcarry/prev (git archive <commit> engine csrc bench | tar -x -C .devcarry/prev), if present.
 if [ -d .devcarry/prev/engine ]; then (cd .devcarry/prev && timeout 150 python3 -m bench.decode --paths cuda-graph --contexts 0 4096 --tokens 128 2>&1 | grep tokens_per_s | sed "s/^/previous version /" | tee -a $L); fi
+echo "== generation loop and sampler $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 120 python3 -m bench.generate --tokens 256 --passes 2 2>&1 | grep '"generate"' | tee -a $L
+timeout 90 python3 -m bench.sampling --device cuda --profile --calls 30 2>&1 | grep '"sampling' | cut -c1-400 | tee -a $L
 echo "== prefill $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -3 | tee -a $L; TRELLIS_GROUP=0 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -2 | sed "s/^/nogroup /" | tee -a $L
 echo "== linear $(( $(date +%s)-t0 ))s" | tee -a $L
