@@ -84,6 +84,19 @@ def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Pat
     return model_dir
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The synthetic model's options, as bench.decode, bench.prefill and bench.generate take them
+    (model_dir_of makes the model the first time)."""
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--bits", type=float, default=4.0)
+    ap.add_argument("--codebook", default="mul1")
+    ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
+
+
+def model_dir_of(args: argparse.Namespace) -> Path:
+    return ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
+
+
 def load(model_dir: Path, path: str):
     from engine.models import load_model
     from engine.ops.model_patch import route_quant_linears
@@ -190,10 +203,7 @@ def _timed_pipelined(step, cache, context: int, tokens: int, batch: int) -> floa
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="decode tokens/s on a synthetic EXL3 model (batch 1 unless --batch)")
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--bits", type=float, default=4.0)
-    ap.add_argument("--codebook", default="mul1")
-    ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
+    add_model_args(ap)
     ap.add_argument("--paths", nargs="+", default=["torch", "cuda", "cuda-graph"],
                     help="torch (dense fp16), cuda (eager kernels), cuda-graph, cuda-graph-noglue (norms, RoPE and "
                          "activations as PyTorch ops: the previous version, for a same-run ratio), cuda-graph-nopdl, "
@@ -224,7 +234,7 @@ def main(argv=None) -> int:
     from engine import ops
     from engine.ops import chain, open_sums
 
-    model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
+    model_dir = model_dir_of(args)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS

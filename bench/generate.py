@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
+
+from bench.decode import add_model_args, load, model_dir_of
 
 
 class StandInTokenizer:
@@ -29,10 +30,7 @@ class StandInTokenizer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="generation loop tokens/s, pipelined and not")
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--bits", type=float, default=4.0)
-    ap.add_argument("--codebook", default="mul1")
-    ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=32, help="prompt length in tokens")
     ap.add_argument("--passes", type=int, default=3)
@@ -41,11 +39,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "generate", "error": "no CUDA device"}))
         return 1
-    from bench.decode import ensure_model, load
     from bench.sampling import PRESETS
     from engine.generate import SamplerSettings, generate
 
-    model, _ = load(ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook), "cuda")
+    model, _ = load(model_dir_of(args), "cuda")
     tok = StandInTokenizer()
     prompt = list(range(1, args.prompt + 1))
     presets = {name: PRESETS[name] for name in args.presets}

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.decode import ensure_model, load
+from bench.decode import add_model_args, load, model_dir_of
 
 
 def forward_last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -70,10 +69,7 @@ def profile_prefill(model, T: int, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="prefill tokens/s on a synthetic EXL3 model")
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--bits", type=float, default=4.0)
-    ap.add_argument("--codebook", default="mul1")
-    ap.add_argument("--model-dir", default="/tmp/trellis-synth-llama3-8b")
+    add_model_args(ap)
     ap.add_argument("--paths", nargs="+", default=["torch", "cuda"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--modes", nargs="+", default=["last_logits", "full"])
@@ -82,7 +78,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "prefill", "error": "no CUDA device"}))
         return 1
-    model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
+    model_dir = model_dir_of(args)
     for path in args.paths:
         torch.cuda.empty_cache()
         model, load_s = load(model_dir, path)
