@@ -35,6 +35,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-launchonly / -notail / -nofinish  timing probes, wrong tokens: the K = 4 products
               launched but returning at once / without their split-k tail (no atomics, count or
               output stage) / without count and output stage (csrc/exl3_gemv.cuh, VAR 4-6)
+  cuda-graph-torchtopk  the sampler's top-k by torch.topk instead of ops.topk's kernel (with
+              cuda-graph-sample: cuda-graph-sample+torchtopk)
+  cuda-graph-alu  right tokens: the K = 4 integer products with their state extraction all on
+              the ALU pipe, as before session 15 (VAR 7; shipped: one window on the FMA pipe)
   cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
               (engine/ops/open_sums.py) for no reader / every reader / the down projection's
               prep only / the norms' preps only (TRELLIS_OPEN_SUMS picks the default, none)
@@ -69,7 +73,9 @@ CHAIN_PATHS = {"cuda-graph-nochain": "0", "cuda-graph-chain": "1", "cuda-graph-c
                "cuda-graph-sepprep": "0", "cuda-graph-selfprep": "0", **{p: "0" for p in OPEN_PATHS}}
 
 # Timing probes of the products' fixed cost (csrc/exl3_gemv.cuh, VAR 4-6; wrong tokens).
-PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6}
+PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6,
+                  # right results: the K = 4 integer path's decode extraction all on the ALU pipe
+                  "cuda-graph-alu": 7}
 
 
 def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Path:
@@ -237,6 +243,7 @@ def main(argv=None) -> int:
     model_dir = model_dir_of(args)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
+    topk_default = ops.TOPK_KERNEL
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
@@ -263,6 +270,11 @@ def main(argv=None) -> int:
             settings = PRESETS["balanced"]
             PICK["sampler"] = (previous_sample_next if "cuda-graph-sampleold" in names else sample_next,
                                settings, settings.make_generator())
+        ops.TOPK_KERNEL = topk_default and "cuda-graph-torchtopk" not in names
+        if PICK["sampler"] is not None:  # graphs captured with the other top-k must not be replayed
+            from engine.generate import sampling_graph
+
+            sampling_graph._graphs.clear()
         ops.INT8_MAX_ROWS = pick({"cuda-graph-int8": 4, "cuda-graph-fp16": 0}, int8_default)
         ops.ATTN_KERNEL = attn_default and "cuda-graph-sdpa" not in names
         ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names

@@ -517,6 +517,22 @@ torch::Tensor sample_top(torch::Tensor vals, torch::Tensor ids, torch::Tensor to
     return out;
 }
 
+// The k (1..64) largest of a contiguous fp32 CUDA vector, largest first, ties to the lower index
+// (trellis::topk_small) -> (values fp32 [k], indices int64 [k]).
+std::vector<torch::Tensor> topk_small(torch::Tensor x, int64_t k) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+                "topk_small: x must be a contiguous fp32 CUDA vector");
+    const int64_t n = x.numel();
+    TORCH_CHECK(k >= 1 && k <= 64 && n >= k && n < (1L << 31), "topk_small: 1 <= k <= 64 and k <= n");
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto scratch = torch::empty({(int64_t)trellis::topk_small_scratch_words((int)n, (int)k)}, x.options().dtype(torch::kLong));
+    auto vals = torch::empty({k}, x.options());
+    auto ids = torch::empty({k}, x.options().dtype(torch::kLong));
+    CHECK_CUDA_OK(trellis::topk_small(x.data_ptr<float>(), (int)n, (int)k, scratch.data_ptr(), vals.data_ptr<float>(),
+                                      ids.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()));
+    return {vals, ids};
+}
+
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
     TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
                 "gated_act: fp16 CUDA tensors");
@@ -673,6 +689,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
     m.def("sample_top", &sample_top, "the sampler's draw among the top tokens (one block)");
+    m.def("topk_small", &topk_small, "the k (<= 64) largest of an fp32 vector, largest first, ties to the lower index");
     m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN largest)");
     m.def("rope_qk", &rope_qk, "rotate-half RoPE on q and k in place");
     m.def("decode_attention", &decode_attention, "one-token decode attention over a KV cache");

@@ -86,6 +86,30 @@ __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t 
     st[0] = __funnelshift_r(B, A, 28) & 0xffffu;
 }
 
+// lane_states_k4 followed by the MUL1 multiply (x = s * 0x83DCD12D), with one of the four 32-bit
+// windows split on the FMA pipe instead of the ALU pipe. The word B holds two states, hi = B >> 16
+// and lo = B & 0xffff, and lo * M = B * M - (hi * M) << 16 (mod 2^32): the mask becomes one more
+// IMAD, the instruction count stays. Why: the integer product at one row issues on only ~63% of
+// cycles and math-pipe throttle is its largest stall (ncu); the ALU pipe, half rate on Hopper, did
+// 11 of the decode's 19 integer operations per tile and the FMA pipe (IMAD, also half rate) 8.
+// This is ~1% faster on the large layers. Splitting two windows (H >> 4 too) measured the same,
+// all four (12 IMADs per tile) no faster, and one on the fp16 path (5..8 rows, whose IDP4As also
+// take the FMA pipe) 1-2% slower (csrc/PERF_NOTES.md, session 15).
+__device__ __forceinline__ void lane_products_k4(uint32_t A, uint32_t B, uint32_t x[8]) {
+    constexpr uint32_t M = 0x83DCD12Du;
+    constexpr uint32_t kNegM16 = 0u - (M << 16);  // hi * kNegM16 = -(hi * M) << 16 (mod 2^32)
+    const uint32_t V = __funnelshift_r(B, A, 4);  // as in lane_states_k4
+    const uint32_t s3 = B >> 16;
+    x[3] = s3 * M;
+    x[7] = s3 * kNegM16 + B * M;  // (B & 0xffff) * M
+    x[2] = (V >> 16) * M;
+    x[6] = (V & 0xffffu) * M;
+    x[5] = __byte_perm(B, 0u, 0x4421) * M;
+    x[1] = __byte_perm(B, A & 0xffu, 0x5543) * M;
+    x[4] = __byte_perm(V, 0u, 0x4421) * M;
+    x[0] = (__funnelshift_r(B, A, 28) & 0xffffu) * M;
+}
+
 // The lane's 8 raw states of one tile, read from shared memory (words of the tile at `tile`).
 template <int K>
 __device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa, int wb, int wc,
@@ -341,7 +365,9 @@ struct GvBlockList {
 // trellis read as one contiguous stream instead of k rows a layer's width apart: wrong values,
 // the same work, to time the memory layout; the split of a small product's fixed cost: 4 the
 // launch alone (every warp returns after the PDL wait), 5 no split-k tail (no atomics, no
-// completion count, no output stage), 6 the atomics but no completion count or output stage).
+// completion count, no output stage), 6 the atomics but no completion count or output stage;
+// 7, K = 4 integer path: the right results with all of the state extraction on the ALU pipe (the
+// previous version; the shipped kernel splits one window onto the FMA pipe, lane_products_k4)).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
@@ -726,6 +752,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
 #pragma unroll
                         for (int q = 0; q < 8; ++q) x[q] = gv_smem[tile + (q & 1 ? wb : wa)] + q;
+                    } else if constexpr (K == 4 && VAR != 7) {  // one window on the FMA pipe
+                        lane_products_k4(gv_smem[tile + wa], gv_smem[tile + wb], x);
                     } else {
                         gv_states<K>(gv_smem, tile, wa, wb, wc, shift, x);
 #pragma unroll
@@ -849,7 +877,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // 3-7% on the fp16 path at 5..8; plain products only: no self prep, chain output or timing probe).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
-    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && VAR == 0) {
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR >= 7)) {
         if (!one_row && gv_four_rows(a.in, a.out, K, a.num_sms))
             return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }
@@ -879,6 +907,9 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 4) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 4>(a, false, stream);
             if (variant == 5) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 5>(a, false, stream);
             if (variant == 6) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 6>(a, false, stream);
+        }
+        if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8) {  // the previous ALU / FMA split
+            if (variant == 7) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 7>(a, false, stream);
         }
     }
     if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {

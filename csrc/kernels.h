@@ -223,6 +223,12 @@ cudaError_t argmax_rows(const void* x, bool f32, long ld, int rows, int n, void*
 cudaError_t sample_top(const float* vals, const int64_t* ids, int look, const float* top, const float* z,
                        float top_p, bool min_on, float log_min_p, const double* u, int64_t* out, cudaStream_t stream);
 
+// The k (1..64) largest of x [n] fp32, by value (NaN largest) then lower index: vals fp32 [k] and
+// ids int64 [k], largest first. scratch: topk_small_scratch_words(n, k) 64-bit words. Refuses
+// (cudaErrorInvalidValue) k > 64, n < k and more than 8,192 / k blocks of 2,048 logits.
+cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals, int64_t* ids, cudaStream_t stream);
+int topk_small_scratch_words(int n, int k);
+
 // Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
                       int ld_up, int act, cudaStream_t stream);

@@ -153,4 +153,144 @@ cudaError_t sample_top(const float* vals, const int64_t* ids, int look, const fl
     return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The k (<= 64) most likely tokens, for the sampler's top-k (engine/generate/sampling.py, choose):
+// torch.topk of one 128k row takes ~58 us on the H200 (its radix select over one long row; a
+// two-stage torch.topk over [R, n / R] rows was no faster: csrc/PERF_NOTES.md, session 15). Here
+// two launches: each block of the first selects its chunk's k largest keys, one block of the
+// second selects the k largest of those and orders them. A key is arg_key's (value, then the
+// lower index), so every key is distinct, the answer exact and ties go to the lower index.
+
+constexpr int kTopkThreads = 256, kTopkPerThread = 8;  // 2,048 logits per first-stage block
+constexpr int kTopkMaxK = 64;
+constexpr int kTopkFinalThreads = 1024, kTopkFinalPerThread = 8;  // at most 8,192 candidates
+
+// The threshold of the k largest of the block's keys (distinct; k at most their count): the
+// selected keys are exactly those whose bits under `mask` are >= `prefix`. A radix select, a byte
+// at a time from the top: it stops at the byte where every key still matching the prefix is
+// needed, so ~3 passes for logits rather than 8.
+template <int PER>
+__device__ __forceinline__ void block_radix_select(const unsigned long long (&key)[PER], int k,
+                                                   unsigned long long& prefix, unsigned long long& mask) {
+    __shared__ int hist[256];
+    __shared__ int s_digit, s_above;
+    prefix = 0;
+    mask = 0;
+    int needed = k;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if ((key[j] & mask) == prefix) atomicAdd(&hist[(key[j] >> shift) & 255], 1);
+        __syncthreads();
+        if (threadIdx.x < 32) {  // one warp finds the byte where the count from the top reaches `needed`
+            const int lane = threadIdx.x;
+            int c[8], sum = 0;  // lane holds bins 255 - 8 lane ... 248 - 8 lane, the top first
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum += (c[j] = hist[255 - 8 * lane - j]);
+            int incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int up = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += up;
+            }
+            int above = incl - sum;  // keys in the bins above this lane's
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (above < needed && above + c[j] >= needed) s_digit = 255 - 8 * lane - j, s_above = above;
+                above += c[j];
+            }
+        }
+        __syncthreads();
+        const int digit = s_digit;
+        needed -= s_above;
+        prefix |= (unsigned long long)digit << shift;
+        mask |= 255ull << shift;
+        const bool done = hist[digit] == needed;  // every key under this prefix is in
+        __syncthreads();  // hist and s_digit are rewritten by the next pass
+        if (done) return;
+    }
+}
+
+// Writes the block's selected keys (those at or above the threshold) to out, in thread order.
+template <int PER>
+__device__ __forceinline__ void block_write_selected(const unsigned long long (&key)[PER], unsigned long long prefix,
+                                                     unsigned long long mask, unsigned long long* out) {
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) mine += (key[j] & mask) >= prefix;
+    int total;
+    int at = block_scan(mine, total) - mine;
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        if ((key[j] & mask) >= prefix) out[at++] = key[j];
+}
+
+// A short last chunk's missing logits: distinct keys (the select needs distinct keys) below every
+// real one (a real key's value part is at least ~(-inf) = 0x007fffff), never selected while n >= k.
+__device__ __forceinline__ unsigned long long pad_key(int i) { return (unsigned long long)(uint32_t)~(uint32_t)i; }
+
+__global__ void __launch_bounds__(kTopkThreads) topk_chunks_kernel(const float* __restrict__ x, int n, int k,
+                                                                  unsigned long long* __restrict__ cand) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
+    const int first = blockIdx.x * kTopkThreads * kTopkPerThread + threadIdx.x;
+    unsigned long long key[kTopkPerThread];
+#pragma unroll
+    for (int j = 0; j < kTopkPerThread; ++j) {
+        const int i = first + j * kTopkThreads;
+        key[j] = i < n ? arg_key(x[i], i) : pad_key(i);
+    }
+    unsigned long long prefix, mask;
+    block_radix_select(key, k, prefix, mask);
+    block_write_selected(key, prefix, mask, cand + (size_t)blockIdx.x * k);
+}
+
+__device__ __forceinline__ float key_value(unsigned long long key) {
+    const uint32_t ord = (uint32_t)(key >> 32);
+    if (ord == 0xffffffffu) return __uint_as_float(0x7fc00000u);  // NaN
+    return __uint_as_float((ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord);
+}
+
+__global__ void __launch_bounds__(kTopkFinalThreads) topk_final_kernel(const unsigned long long* __restrict__ cand,
+                                                                       int m, int k, float* __restrict__ vals,
+                                                                       int64_t* __restrict__ ids) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
+    unsigned long long key[kTopkFinalPerThread];
+#pragma unroll
+    for (int j = 0; j < kTopkFinalPerThread; ++j) {
+        const int i = threadIdx.x + j * kTopkFinalThreads;
+        key[j] = i < m ? cand[i] : 0ull;  // distinct candidates; the zeros are never needed (m >= k)
+    }
+    unsigned long long prefix, mask;
+    block_radix_select(key, k, prefix, mask);
+    __shared__ unsigned long long sel[kTopkMaxK];
+    block_write_selected(key, prefix, mask, sel);
+    __syncthreads();
+    if (threadIdx.x < k) {  // each key's place: how many selected keys are larger (all distinct)
+        const unsigned long long mine = sel[threadIdx.x];
+        int rank = 0;
+        for (int j = 0; j < k; ++j) rank += sel[j] > mine;
+        vals[rank] = key_value(mine);
+        ids[rank] = (int64_t)(uint32_t)~(uint32_t)(mine & 0xffffffffull);
+    }
+}
+
+cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals, int64_t* ids, cudaStream_t stream) {
+    const int blocks = (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread);
+    if (k < 1 || k > kTopkMaxK || n < k || (long)blocks * k > kTopkFinalThreads * kTopkFinalPerThread)
+        return cudaErrorInvalidValue;
+    auto* cand = static_cast<unsigned long long*>(scratch);
+    cudaError_t e = launch_glue(topk_chunks_kernel, dim3(blocks), dim3(kTopkThreads), stream, x, n, k, cand);
+    if (e != cudaSuccess) return e;
+    return launch_glue(topk_final_kernel, dim3(1), dim3(kTopkFinalThreads), stream, (const unsigned long long*)cand,
+                       blocks * k, k, vals, ids);
+}
+
+int topk_small_scratch_words(int n, int k) {
+    return (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread) * k;
+}
+
 }  // namespace trellis

@@ -114,6 +114,26 @@ def test_occupancy_configurations_match_reference(variant):
     assert workspaces_zero()
 
 
+@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672)])
+def test_decode_split_between_alu_and_fma_pipes_gives_the_same_product(n_in, n_out):
+    """The K = 4 MUL1 integer path takes the product s * M of one state per window as W * M -
+    (hi * M) << 16 instead of masking the low state first (lane_products_k4): the same integers.
+    So it and debug variant 7 (the previous extraction) give the reference's product and each
+    other's up to fp32 summation order, at 1..4 rows. 4096x28672 takes four k rows per unit (CFG
+    10), 1024x1536 one."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=41, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        y0 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        with ops.debug_variant(7):
+            y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        assert rel_rms(y0, ref) < 2e-3 and rel_rms(y, ref) < 2e-3, rows
+        assert rel_rms(y, y0) < 1e-3, rows
+    assert workspaces_zero()
+
+
 @pytest.fixture
 def four_rows():
     """Sets from how many k-row quads per warp products take four k rows per unit; restores the

@@ -114,3 +114,50 @@ def test_a_failed_capture_falls_back_to_eager_draws(monkeypatch):
     gen = s.make_generator()
     assert [sample_next(logits.cuda(), s, gen) for _ in range(10)] == want
     assert "capture refused" in sampling_graph.DISABLED["why"] and not sampling_graph._graphs
+
+
+def _stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest by value, ties in index order, NaN largest: a stable descending sort's head."""
+    vals, ids = torch.sort(x, descending=True, stable=True)
+    return vals[:k], ids[:k]
+
+
+@pytest.mark.parametrize("n", [128256, 151936, 49152, 2049, 2048, 100, 64])
+@pytest.mark.parametrize("k", [1, 50, 64])
+def test_topk_kernel_is_a_stable_sorts_head(n, k):
+    """ops.topk's two-launch kernel (k <= 64) returns exactly the k largest logits, largest first,
+    ties to the lower index: on random logits, on integer logits full of ties, and with NaN, +inf
+    and -inf among them; vocabularies that fill their last 2,048-logit chunk or not."""
+    from engine import ops
+    from tests.gpu_layers import kernels_run
+
+    if k > n:
+        pytest.skip("k above the vocabulary")
+    g = torch.Generator().manual_seed(n + k)
+    cases = [torch.randn(n, generator=g) * 3.0, torch.randint(-4, 4, (n,), generator=g).float()]
+    special = torch.randn(n, generator=g)
+    special[torch.randperm(n, generator=g)[: max(1, n // 50)]] = float("-inf")
+    special[n // 3] = float("inf")
+    special[n // 2] = float("nan")
+    special[n - 1] = float("nan")
+    cases.append(special)
+    for x in cases:
+        x = x.cuda()
+        vals, ids = ops.topk(x, k)
+        ref_vals, ref_ids = _stable_top(x, k)
+        assert torch.equal(ids, ref_ids), (n, k)
+        torch.testing.assert_close(vals, ref_vals, rtol=0, atol=0, equal_nan=True)
+    assert kernels_run(lambda: ops.topk(x, k), "topk_")  # the kernel served, not torch.topk
+
+
+def test_topk_kernel_hands_what_it_cannot_serve_to_torch():
+    """What the kernel does not serve goes to torch.topk, with torch's values: k above 64 (top-p's
+    first look at 1,024 tokens among them) and fp16 vectors."""
+    from engine import ops
+    from tests.gpu_layers import kernels_run
+
+    x = torch.randn(128256, device=DEV)
+    for args in ((x, 65), (x, 1024), (x.half(), 50)):
+        vals, _ = ops.topk(*args)
+        assert torch.equal(vals, torch.topk(*args)[0])
+        assert not kernels_run(lambda: ops.topk(*args), "topk_chunks")

@@ -167,7 +167,7 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
         last = int_where_last(vals) if min_p > 0.0 else torch.full((), n - 1, dtype=torch.long, device=logits.device)
     else:
         look = k if k < n else min(n, look)
-        vals, ids = torch.topk(logits, look)  # most likely first
+        vals, ids = ops.topk(logits, look)  # most likely first
         top = vals[0]  # the max, as logits.max() (topk puts NaN above +inf), without its reduction
         whole = look == k or look == n
         # After top-k the distribution is the k tokens'; otherwise these tokens' share of the whole

@@ -43,9 +43,10 @@ GLUE_KERNELS = os.environ.get("TRELLIS_GLUE", "1") != "0"
 ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "0", "off")
 
 # The fused product's configuration for K = 4 (TRELLIS_GV_VARIANT = 10 + CFG of csrc/exl3_gemv.cuh,
-# a benchmark knob); anything below 10 means the shipped one.
+# or 7, the K = 4 integer path's previous split of its decode between the ALU and FMA pipes; a
+# benchmark knob); anything else below 10 means the shipped one.
 _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
-if _DEFAULT_VARIANT < 10:
+if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT != 7:
     _DEFAULT_VARIANT = 0
 
 # Decode chains (engine/ops/chain.py): a kernel's output stage writes the next product's input,
@@ -624,6 +625,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 _argmax_scratch: dict = {}
+
+
+# The sampler's top-k (k <= 64) by our two-launch kernel (csrc/token_pick.cu, topk_small) instead
+# of torch.topk (~58 us for one 128k row on the H200); TRELLIS_TOPK=torch keeps torch's, for a
+# same-run comparison.
+TOPK_KERNEL = os.environ.get("TRELLIS_TOPK", "kernel").lower() != "torch"
+TOPK_KERNEL_MAX_K = 64
+_TOPK_BLOCK, _TOPK_MAX_CANDIDATES = 2048, 8192  # csrc/token_pick.cu: logits per first-stage block, candidates
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) of a 1-d vector: (values, indices), largest first. On a GPU with the
+    kernels, for fp32 and k <= 64, two small launches; ties then go to the lower index (torch.topk
+    leaves their order open) and NaN counts as the largest value, as in torch.topk."""
+    n = x.numel()
+    if (TOPK_KERNEL and x.is_cuda and x.dim() == 1 and x.dtype == torch.float32 and 1 <= k <= TOPK_KERNEL_MAX_K
+            and k <= n < 2**31 and -(-n // _TOPK_BLOCK) * k <= _TOPK_MAX_CANDIDATES and _kernels_ready()):
+        vals, ids = extension().topk_small(x.contiguous(), k)
+        return vals, ids
+    return torch.topk(x, k)
 
 
 def sample_top_available(logits: torch.Tensor) -> bool:
