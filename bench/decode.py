@@ -37,6 +37,8 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               output stage) / without count and output stage (csrc/exl3_gemv.cuh, VAR 4-6)
   cuda-graph-torchtopk  the sampler's top-k by torch.topk instead of ops.topk's kernel (with
               cuda-graph-sample: cuda-graph-sample+torchtopk)
+  cuda-graph-attnmerge2  decode attention merging its splits' partials in two passes (the max,
+              then the sums), as before session 15
   cuda-graph-alu  right tokens: the K = 4 integer products with their state extraction all on
               the ALU pipe, as before session 15 (VAR 7; shipped: one window on the FMA pipe)
   cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
@@ -295,6 +297,7 @@ def main(argv=None) -> int:
             ops.extension().set_gemv_four_row_units(four[0] if four else ops.FOUR_ROW_UNITS)
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
+            ops.extension().set_attn_merge_online("cuda-graph-attnmerge2" not in names)
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
                 run = decode_graph if graph else decode_eager

@@ -602,6 +602,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
     a.early_trigger = trellis::early_trigger_setting() == 1;
+    a.merge_online = trellis::attn_merge_online_setting();
     if (!next.empty()) {
         TORCH_CHECK(next.size() == 4 && B == 1 && D == 128,
                     "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128");
@@ -678,6 +679,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,
           "k-row pairs per resident warp from which a product takes two k rows per unit (default 6)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
+    m.def("set_attn_merge_online", &trellis::set_attn_merge_online,
+          "decode attention merges its splits in one pass with a running max (default) or max first, then sums");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");

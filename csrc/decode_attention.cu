@@ -335,7 +335,47 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
     __syncthreads();
     if (!sm_last) return;
     fence_acq_rel_gpu();  // acquire: every counted partial is visible
-    if (merges && g < ng) {
+    if (merges && g < ng && a.merge_online) {
+        // One pass with a running max, 8 partials' loads in flight at a time: ~n_split / 8 L2
+        // round trips, where the max first and then the sums took 1 + n_split / 4 (the compiler's
+        // unroll of that loop; at 4,096 slots, 16 splits: 2 against 5).
+        const float* ws0 = a.ws + group * a.n_split * PS;
+        float MM = -INFINITY, LL = 0.f, OO[DL];
+#pragma unroll
+        for (int d = 0; d < DL; ++d) OO[d] = 0.f;
+        constexpr int kBatch = 8;
+        for (int sp0 = 0; sp0 < a.n_split; sp0 += kBatch) {
+            float m[kBatch], l[kBatch], op[kBatch][DL];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {  // every load of the batch before any use
+                const bool here = sp0 + j < a.n_split;
+                const float* pw = ws0 + (here ? sp0 + j : 0) * PS;
+                m[j] = here ? __ldcg(pw + kAttnHeads * D + g) : -INFINITY;
+                l[j] = here ? __ldcg(pw + kAttnHeads * D + kAttnHeads + g) : 0.f;
+#pragma unroll
+                for (int d = 0; d < DL; ++d) op[j][d] = here ? __ldcg(pw + g * D + lane * DL + d) : 0.f;
+            }
+            // The running max moves once per batch, so the batch's weights are independent (a
+            // move per partial made a serial chain of exp2s: slower at 33 splits).
+            float mn = MM;
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) mn = fmaxf(mn, m[j]);
+            const bool none = mn == -INFINITY;  // every key so far masked: nothing to weigh
+            const float c_old = none ? 0.f : exp2f(MM - mn);
+            LL *= c_old;
+#pragma unroll
+            for (int d = 0; d < DL; ++d) OO[d] *= c_old;
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const float c = none ? 0.f : exp2f(m[j] - mn);
+                LL = fmaf(c, l[j], LL);
+#pragma unroll
+                for (int d = 0; d < DL; ++d) OO[d] = fmaf(c, op[j][d], OO[d]);
+            }
+            MM = mn;
+        }
+        write_out(OO, LL);
+    } else if (merges && g < ng) {  // the previous two-pass merge (set_attn_merge_online(false))
         const float* ws0 = a.ws + group * a.n_split * PS;
         float MM = -INFINITY;
         for (int sp = lane; sp < a.n_split; sp += 32) MM = fmaxf(MM, __ldcg(ws0 + sp * PS + kAttnHeads * D + g));

@@ -877,7 +877,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // 3-7% on the fp16 path at 5..8; plain products only: no self prep, chain output or timing probe).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
-    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR >= 7)) {
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR == 7)) {
         if (!one_row && gv_four_rows(a.in, a.out, K, a.num_sms))
             return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }

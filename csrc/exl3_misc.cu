@@ -175,6 +175,12 @@ void set_early_trigger(int mode) { early_trigger_flag() = mode >= 0 && mode <= 2
 int early_trigger_setting() { return early_trigger_flag(); }
 void set_prep_skip(bool enabled) { prep_skip_flag() = enabled; }
 void set_self_prep(bool enabled) { self_prep_flag() = enabled; }
+static bool& attn_merge_online_flag() {
+    static bool online = true;
+    return online;
+}
+void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
+bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 

@@ -182,6 +182,10 @@ void set_gemv_four_row_units(int units);  // 0: never four k rows per unit
 // (session 6). Mode 0: when they end.
 void set_early_trigger(int mode);
 int early_trigger_setting();
+// Decode attention's merge of its splits' partials: one pass with a running max (default), or the
+// max first and then the sums (false: as before session 15; a benchmark knob).
+void set_attn_merge_online(bool enabled);
+bool attn_merge_online_setting();
 // Timing probe (wrong results): prep_frag launches nothing. Benchmarks only.
 void set_prep_skip(bool enabled);
 // Whether a decode product (m = 1, MUL1 integer path) preps its own input instead of a prep
@@ -273,6 +277,9 @@ struct DecodeAttnArgs {
     int B = 0, Hkv = 0, G = 0, S = 0, D = 0, n_split = 1;
     float scale = 1.f;
     bool early_trigger = false;  // see set_early_trigger (mode 1)
+    // Several splits: their partials merge in one pass with a running max (false: the max first,
+    // then the sums, as before session 15; set_attn_merge_online).
+    bool merge_online = true;
     // Decode chain into o_proj (B = 1, D = 128; see ChainOut): the output's head h is o_proj's
     // input chunk h, so the kernel also writes o_proj's int8 input (prep_frag's layout, one
     // fragment group) with o_proj's input signs next_suh [H * D]; no prep kernel runs for it.

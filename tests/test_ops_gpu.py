@@ -556,6 +556,36 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
 
+@pytest.mark.parametrize("S", [700, 4100, 9000])
+def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
+    """Several splits (700 slots: 3; 4100: 17; 9000: 33 at one sequence of 8 kv heads, over one or
+    more batches of 8 partials) merge in one pass with a running max; the previous merge (the max
+    first, then the sums) gives the same output up to fp32 rounding, with splits whose keys are
+    all masked among them (the window hides the head of the cache)."""
+    from engine.models.layers import one_query_attention
+
+    g = torch.Generator(device=DEV).manual_seed(S)
+    H, Hkv, D = 32, 8, 128
+    k = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
+    v = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
+    q = torch.randn(1, H, 1, D, generator=g, device=DEV).half()
+    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    window[:, : S // 2] = float("-inf")
+    ext = ops.extension()
+    try:
+        for mask in (None, window):
+            ext.set_attn_merge_online(True)
+            one = ops.decode_attention(q, k, v, mask, D ** -0.5)
+            ext.set_attn_merge_online(False)
+            two = ops.decode_attention(q, k, v, mask, D ** -0.5)
+            want = one_query_attention(q.float(), k.float(), v.float(),
+                                       None if mask is None else mask.float()[:, None, None, :], D ** -0.5)
+            assert rel_rms(one, want) < 2e-3 and rel_rms(two, want) < 2e-3
+            assert rel_rms(one, two) < 1e-3
+    finally:
+        ext.set_attn_merge_online(True)
+
+
 def test_argmax_kernel_is_torch_argmax():
     """ops.argmax (one kernel) picks what torch.argmax picks: the first of equal maxima, NaN above
     everything, -inf rows index 0; fp32 and fp16, strided rows, sizes that fill no block evenly."""
