@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     model_dir = model_dir_of(args)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
-    topk_default = ops.TOPK_KERNEL
+    topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
         kind = "torch" if path == "torch" else "cuda"
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             ops.extension().set_gemv_four_row_units(four[0] if four else ops.FOUR_ROW_UNITS)
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
-            ops.extension().set_attn_merge_online("cuda-graph-attnmerge2" not in names)
+            ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
                 run = decode_graph if graph else decode_eager

@@ -583,7 +583,7 @@ def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
             assert rel_rms(one, want) < 2e-3 and rel_rms(two, want) < 2e-3
             assert rel_rms(one, two) < 1e-3
     finally:
-        ext.set_attn_merge_online(True)
+        ext.set_attn_merge_online(ops.ATTN_MERGE_ONLINE)
 
 
 def test_argmax_kernel_is_torch_argmax():

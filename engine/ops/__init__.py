@@ -70,6 +70,10 @@ FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
+# Decode attention merges its splits' partials in one pass (TRELLIS_ATTN_MERGE=2: the max first,
+# then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
+ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
+
 _ext = None
 _ext_error: Exception | None = None
 
@@ -107,9 +111,7 @@ def extension():
         # Whether decode products (m = 1, MUL1 integer path) prep their own input instead of a
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
-        # Decode attention merges its splits in one pass (TRELLIS_ATTN_MERGE=2: max first, then the
-        # sums, as before session 15; a benchmark knob).
-        _ext.set_attn_merge_online(os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2")
+        _ext.set_attn_merge_online(ATTN_MERGE_ONLINE)
         # Which fp16-path products read their activations from one copy per block instead of one per
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
         # of at least 4096 x 14336 weights, 2 all.
