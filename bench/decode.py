@@ -273,10 +273,6 @@ def main(argv=None) -> int:
             PICK["sampler"] = (previous_sample_next if "cuda-graph-sampleold" in names else sample_next,
                                settings, settings.make_generator())
         ops.TOPK_KERNEL = topk_default and "cuda-graph-torchtopk" not in names
-        if PICK["sampler"] is not None:  # graphs captured with the other top-k must not be replayed
-            from engine.generate import sampling_graph
-
-            sampling_graph._graphs.clear()
         ops.INT8_MAX_ROWS = pick({"cuda-graph-int8": 4, "cuda-graph-fp16": 0}, int8_default)
         ops.ATTN_KERNEL = attn_default and "cuda-graph-sdpa" not in names
         ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names

@@ -25,6 +25,11 @@ __device__ __forceinline__ unsigned long long arg_key(float v, int i) {
     return ((unsigned long long)ord << 32) | (uint32_t)~(uint32_t)i;
 }
 
+// The index a key holds (arg_key's low half).
+__device__ __forceinline__ int64_t key_index(unsigned long long key) {
+    return (int64_t)(uint32_t)~(uint32_t)(key & 0xffffffffull);
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(half v) { return __half2float(v); }
 
@@ -65,7 +70,7 @@ __global__ void __launch_bounds__(kArgThreads) argmax_rows_kernel(const T* __res
         fence_acq_rel_gpu();  // acquire: every block counted has its atomicMax visible
         const unsigned long long key = atomicExch(&scratch[r], 0ull);
         scratch[rows + r] = 0;
-        out[r] = (int64_t)(uint32_t)~(uint32_t)(key & 0xffffffffull);
+        out[r] = key_index(key);
     }
 }
 
@@ -274,12 +279,14 @@ __global__ void __launch_bounds__(kTopkFinalThreads) topk_final_kernel(const uns
         int rank = 0;
         for (int j = 0; j < k; ++j) rank += sel[j] > mine;
         vals[rank] = key_value(mine);
-        ids[rank] = (int64_t)(uint32_t)~(uint32_t)(mine & 0xffffffffull);
+        ids[rank] = key_index(mine);
     }
 }
 
+static int topk_blocks(int n) { return (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread); }
+
 cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals, int64_t* ids, cudaStream_t stream) {
-    const int blocks = (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread);
+    const int blocks = topk_blocks(n);
     if (k < 1 || k > kTopkMaxK || n < k || (long)blocks * k > kTopkFinalThreads * kTopkFinalPerThread)
         return cudaErrorInvalidValue;
     auto* cand = static_cast<unsigned long long*>(scratch);
@@ -289,8 +296,6 @@ cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals,
                        blocks * k, k, vals, ids);
 }
 
-int topk_small_scratch_words(int n, int k) {
-    return (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread) * k;
-}
+int topk_small_scratch_words(int n, int k) { return topk_blocks(n) * k; }
 
 }  // namespace trellis

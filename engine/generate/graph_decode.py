@@ -125,11 +125,22 @@ class GraphDecoder:
         return captured
 
 
+def _env_on(name: str) -> bool:
+    """A switch that is on unless the variable says 0 / false / off / no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def graphs_enabled(model) -> bool:
     """CUDA graphs serve decoding for a CausalLM on a CUDA device, unless TRELLIS_CUDA_GRAPHS=0."""
     device = getattr(model, "device", None)
     return (isinstance(device, torch.device) and device.type == "cuda" and hasattr(model, "new_static_cache")
-            and os.environ.get("TRELLIS_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no"))
+            and _env_on("TRELLIS_CUDA_GRAPHS"))
+
+
+def pipelined() -> bool:
+    """Whether graph decoding queues each step before the host reads the previous token
+    (engine.generate.loop), unless TRELLIS_PIPELINE=0."""
+    return _env_on("TRELLIS_PIPELINE")
 
 
 def graph_decoder(model) -> GraphDecoder | None:

@@ -17,7 +17,6 @@ start of a stop string. The concatenation of all `on_text` deltas always equals 
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -25,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine.errors import ConfigError
-from engine.generate.graph_decode import graph_decoder
+from engine.generate.graph_decode import graph_decoder, pipelined
 from engine.generate.sampling import SamplerSettings, pick_next
 
 REPLACEMENT_CHAR = "\ufffd"  # what the decoder yields for an incomplete UTF-8 sequence
@@ -145,11 +144,6 @@ def _model_device(model) -> torch.device:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):
         return torch.device("cpu")
-
-
-def pipelined() -> bool:
-    """Whether graph decoding queues each step before the host reads the previous token."""
-    return os.environ.get("TRELLIS_PIPELINE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def generate(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,

@@ -78,8 +78,11 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
     return logits
 
 
+FIRST_LOOK = 1024  # how many of the most likely tokens top-p looks at before widening
+
+
 def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               first: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+               first: int = FIRST_LOOK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tokens top-k, top-p and min-p leave to draw from, as (their logits, their ids), logits
     [vocab]; ids None means every token, in order. Where a filter applies they come most likely
     first, and only those tokens travel on (a draw then touches k tokens, not the vocabulary).
@@ -140,7 +143,7 @@ def weights_cdf(vals: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torch.Tensor,
-           look: int = 1024) -> torch.Tensor:
+           look: int = FIRST_LOOK) -> torch.Tensor:
     """candidates() and draw() as one pipeline of tensor ops with no host sync, so that a GPU
     runs it as one CUDA graph (sampling_graph) and the host waits once per token. Returns int64
     [3]: the token, whether top-p needs more than the `look` most likely tokens (then nothing
@@ -195,9 +198,6 @@ def int_where_last(vals: torch.Tensor) -> torch.Tensor:
     """Index of the last entry above -inf (a tensor: no host sync); 0 when there is none."""
     live = vals > float("-inf")
     return (torch.arange(vals.numel(), device=vals.device) * live).max()
-
-
-FIRST_LOOK = 1024  # how many of the most likely tokens top-p looks at before widening
 
 
 @dataclass

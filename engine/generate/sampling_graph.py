@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.generate.sampling import choose
+from engine import ops
+from engine.generate.sampling import FIRST_LOOK, choose
 
 KEEP = 4  # graphs kept (least recently used dropped): a chat changes settings rarely
 
@@ -48,13 +49,14 @@ def _capture(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, look:
 
 
 def launch_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
-                  look: int = 1024) -> torch.Tensor:
+                  look: int = FIRST_LOOK) -> torch.Tensor:
     """choose() on these logits with uniform u, queued: its int64 [3] (token, widen, bad) where
     the logits are, not read (on a GPU a graph's output buffer, valid until the next launch with
     the same settings)."""
     if logits.device.type != "cuda" or DISABLED["why"]:
         return choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=logits.device), look)
-    key = (logits.device.index, logits.shape[-1], top_k, top_p, min_p, look)
+    # ops.TOPK_KERNEL: which top-k the captured graph holds (a benchmark switches it between runs)
+    key = (logits.device.index, logits.shape[-1], top_k, top_p, min_p, look, ops.TOPK_KERNEL)
     g = _graphs.get(key)
     if g is None:
         try:
@@ -75,7 +77,7 @@ def launch_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, 
 
 
 def run_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
-               look: int = 1024) -> tuple[int, bool, bool]:
+               look: int = FIRST_LOOK) -> tuple[int, bool, bool]:
     """choose() on these logits with uniform u: (token, widen, bad), one host sync."""
     token, widen, bad = launch_choose(logits, top_k, top_p, min_p, u, look).tolist()
     return token, bool(widen), bool(bad)
