@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +30,19 @@ class ChooseGraph:
     graph: torch.cuda.CUDAGraph
 
 
-_graphs: "OrderedDict[tuple, ChooseGraph]" = OrderedDict()
+class GraphKey(NamedTuple):
+    """What a captured graph was captured for; topk_kernel is ops.TOPK_KERNEL at capture (a
+    benchmark switches it between runs)."""
+    device: int
+    vocab: int
+    top_k: int
+    top_p: float
+    min_p: float
+    look: int
+    topk_kernel: bool
+
+
+_graphs: "OrderedDict[GraphKey, ChooseGraph]" = OrderedDict()
 DISABLED = {"why": ""}  # set when a capture failed: later draws run choose() eagerly
 
 
@@ -55,8 +68,7 @@ def launch_choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, 
     the same settings)."""
     if logits.device.type != "cuda" or DISABLED["why"]:
         return choose(logits, top_k, top_p, min_p, torch.tensor(u, dtype=torch.float64, device=logits.device), look)
-    # ops.TOPK_KERNEL: which top-k the captured graph holds (a benchmark switches it between runs)
-    key = (logits.device.index, logits.shape[-1], top_k, top_p, min_p, look, ops.TOPK_KERNEL)
+    key = GraphKey(logits.device.index, logits.shape[-1], top_k, top_p, min_p, look, ops.TOPK_KERNEL)
     g = _graphs.get(key)
     if g is None:
         try:
