@@ -39,6 +39,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               cuda-graph-sample: cuda-graph-sample+torchtopk)
   cuda-graph-attnmerge2  decode attention merging its splits' partials in two passes (the max,
               then the sums), as before session 15
+  cuda-graph-attnoneloadN  decode attention giving each warp one load of 16 keys while that takes
+              at most N splits (shipped: 10; attnoneload0: about 32 keys per warp always, as
+              before session 16)
   cuda-graph-alu  right tokens: the K = 4 integer products with their state extraction all on
               the ALU pipe, as before session 15 (VAR 7; shipped: one window on the FMA pipe)
   cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
@@ -294,6 +297,8 @@ def main(argv=None) -> int:
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
+            one_load = [int(m.group(1)) for m in (re.fullmatch(r"cuda-graph-attnoneload(\d+)", n) for n in names) if m]
+            ops.extension().set_attn_one_load_splits(one_load[0] if one_load else ops.ATTN_ONE_LOAD_SPLITS)
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
                 run = decode_graph if graph else decode_eager

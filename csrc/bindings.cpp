@@ -523,7 +523,7 @@ std::vector<torch::Tensor> topk_small(torch::Tensor x, int64_t k) {
     TORCH_CHECK(x.is_cuda() && x.dim() == 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
                 "topk_small: x must be a contiguous fp32 CUDA vector");
     const int64_t n = x.numel();
-    TORCH_CHECK(k >= 1 && k <= 64 && n >= k && n < (1L << 31), "topk_small: 1 <= k <= 64 and k <= n");
+    TORCH_CHECK(trellis::topk_small_serves(n, (int)k), "topk_small: needs 1 <= k <= 64, k <= n and n / 2,048 * k <= 8,192");
     const c10::cuda::CUDAGuard guard(x.device());
     auto scratch = torch::empty({(int64_t)trellis::topk_small_scratch_words((int)n, (int)k)}, x.options().dtype(torch::kLong));
     auto vals = torch::empty({k}, x.options());
@@ -679,6 +679,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,
           "k-row pairs per resident warp from which a product takes two k rows per unit (default 6)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
+    m.def("set_attn_one_load_splits", &trellis::set_attn_one_load_splits,
+          "decode attention takes one load of 16 keys per warp while that needs at most this many splits (default 10; 0: never)");
     m.def("set_attn_merge_online", &trellis::set_attn_merge_online,
           "decode attention merges its splits in one pass with a running max (default) or max first, then sums");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
@@ -693,6 +695,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gated_act", &gated_act, "act(gate) * up");
     m.def("sample_top", &sample_top, "the sampler's draw among the top tokens (one block)");
     m.def("topk_small", &topk_small, "the k (<= 64) largest of an fp32 vector, largest first, ties to the lower index");
+    m.def("topk_small_serves", &trellis::topk_small_serves, "whether topk_small takes k of n values");
     m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (NaN largest)");
     m.def("rope_qk", &rope_qk, "rotate-half RoPE on q and k in place");
     m.def("decode_attention", &decode_attention, "one-token decode attention over a KV cache");

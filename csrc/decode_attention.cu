@@ -403,11 +403,23 @@ int decode_attention_counters(int batch, int kv_heads, int groups) {
     return batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
 }
 
+static int& attn_one_load_splits() {
+    static int splits = 10;
+    return splits;
+}
+void set_attn_one_load_splits(int splits) { attn_one_load_splits() = splits > 0 ? splits : 0; }
+
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms) {
     const int blocks_per_split = decode_attention_counters(batch, kv_heads, groups);
-    // About 32 keys per warp (two loads of 16: one memory round trip each), more splits only to
-    // fill the GPU; every split beyond one costs the merge through the workspace.
-    int n = (slots + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
+    // A warp's keys cost a memory round trip per load of 16. Short caches take a split per 16 keys
+    // per warp (one load each) while that is at most attn_one_load_splits() splits; longer ones
+    // about 32 keys per warp (two loads), more splits only to fill the GPU, since every split
+    // beyond one costs the merge through the workspace. Measured (H200, Llama-3.1-8B shapes,
+    // csrc/PERF_NOTES.md session 16): 256 slots in 2 splits against 1 and 1,280 in 10 against 5
+    // decoded 1.1% and 0.5% faster; 1,280 in 8 splits (20 keys per warp, still two loads) 2.3%
+    // slower; 4,352 in 33 against 17 1.4% slower.
+    const int one_load = (slots + kAttnWarps * 16 - 1) / (kAttnWarps * 16);
+    int n = one_load <= attn_one_load_splits() ? one_load : (slots + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
     const int cap = (2 * (sms > 0 ? sms : 132) + blocks_per_split - 1) / blocks_per_split;  // ~2 blocks per SM
     n = n < cap ? n : cap;
     n = n < 64 ? n : 64;

@@ -232,6 +232,8 @@ cudaError_t sample_top(const float* vals, const int64_t* ids, int look, const fl
 // (cudaErrorInvalidValue) k > 64, n < k and more than 8,192 / k blocks of 2,048 logits.
 cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals, int64_t* ids, cudaStream_t stream);
 int topk_small_scratch_words(int n, int k);
+// Whether topk_small takes k of n (the limits above, in one place for the host and Python).
+bool topk_small_serves(long n, int k);
 
 // Gated MLP glue: y = act(gate) * up, act 0 = SiLU, 1 = GELU (tanh approximation), 2 = GELU (erf).
 cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n, int ld_gate,
@@ -299,6 +301,9 @@ struct DecodeAttnArgs {
     const int64_t* pos = nullptr;
 };
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
+// Short caches take a split per 16 keys per warp (one load) while that is at most `splits` splits
+// (default 10); 0: about 32 keys per warp always (before session 16).
+void set_attn_one_load_splits(int splits);
 int decode_attention_counters(int batch, int kv_heads, int groups);
 size_t decode_attention_ws_floats(int batch, int kv_heads, int groups, int head_dim, int n_split);
 cudaError_t decode_attention(const DecodeAttnArgs& args, cudaStream_t stream);

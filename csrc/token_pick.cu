@@ -285,10 +285,14 @@ __global__ void __launch_bounds__(kTopkFinalThreads) topk_final_kernel(const uns
 
 static int topk_blocks(int n) { return (n + kTopkThreads * kTopkPerThread - 1) / (kTopkThreads * kTopkPerThread); }
 
+bool topk_small_serves(long n, int k) {
+    return k >= 1 && k <= kTopkMaxK && n >= k && n < (1L << 31) &&
+           (long)topk_blocks((int)n) * k <= kTopkFinalThreads * kTopkFinalPerThread;
+}
+
 cudaError_t topk_small(const float* x, int n, int k, void* scratch, float* vals, int64_t* ids, cudaStream_t stream) {
     const int blocks = topk_blocks(n);
-    if (k < 1 || k > kTopkMaxK || n < k || (long)blocks * k > kTopkFinalThreads * kTopkFinalPerThread)
-        return cudaErrorInvalidValue;
+    if (!topk_small_serves(n, k)) return cudaErrorInvalidValue;
     auto* cand = static_cast<unsigned long long*>(scratch);
     cudaError_t e = launch_glue(topk_chunks_kernel, dim3(blocks), dim3(kTopkThreads), stream, x, n, k, cand);
     if (e != cudaSuccess) return e;

@@ -586,6 +586,33 @@ def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
         ext.set_attn_merge_online(ops.ATTN_MERGE_ONLINE)
 
 
+@pytest.mark.parametrize("S", [256, 1000, 1280, 2100, 4100])
+def test_decode_attention_one_load_splits_match_reference(S):
+    """Splits of one 16-key load per warp (set_attn_one_load_splits: never, the shipped limit,
+    always up to the cap) give the reference's attention, with and without a window that leaves
+    whole splits masked."""
+    from engine.models.layers import one_query_attention
+
+    g = torch.Generator(device=DEV).manual_seed(S + 3)
+    H, Hkv, D = 32, 8, 128
+    k = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
+    v = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
+    q = torch.randn(1, H, 1, D, generator=g, device=DEV).half()
+    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    window[:, : S // 2] = float("-inf")
+    ext = ops.extension()
+    try:
+        for limit in (0, 10, 64):
+            ext.set_attn_one_load_splits(limit)
+            for mask in (None, window):
+                got = ops.decode_attention(q, k, v, mask, D ** -0.5)
+                want = one_query_attention(q.float(), k.float(), v.float(),
+                                           None if mask is None else mask.float()[:, None, None, :], D ** -0.5)
+                assert rel_rms(got, want) < 2e-3, limit
+    finally:
+        ext.set_attn_one_load_splits(ops.ATTN_ONE_LOAD_SPLITS)
+
+
 def test_argmax_kernel_is_torch_argmax():
     """ops.argmax (one kernel) picks what torch.argmax picks: the first of equal maxima, NaN above
     everything, -inf rows index 0; fp32 and fp16, strided rows, sizes that fill no block evenly."""

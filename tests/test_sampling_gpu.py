@@ -152,12 +152,18 @@ def test_topk_kernel_is_a_stable_sorts_head(n, k):
 
 def test_topk_kernel_hands_what_it_cannot_serve_to_torch():
     """What the kernel does not serve goes to torch.topk, with torch's values: k above 64 (top-p's
-    first look at 1,024 tokens among them) and fp16 vectors."""
+    first look at 1,024 tokens among them), fp16 vectors, and more than 8,192 first-stage candidates
+    (128 blocks of 2,048 logits at k = 64); the limits come from the kernel's own check."""
     from engine import ops
     from tests.gpu_layers import kernels_run
 
     x = torch.randn(128256, device=DEV)
-    for args in ((x, 65), (x, 1024), (x.half(), 50)):
+    past = torch.randn(128 * 2048 + 1, device=DEV)
+    for args in ((x, 65), (x, 1024), (x.half(), 50), (past, 64)):
         vals, _ = ops.topk(*args)
         assert torch.equal(vals, torch.topk(*args)[0])
         assert not kernels_run(lambda: ops.topk(*args), "topk_chunks")
+    assert kernels_run(lambda: ops.topk(past[:-1], 64), "topk_chunks")
+    serves = ops.extension().topk_small_serves
+    assert serves(128256, 64) and serves(64, 64) and not serves(63, 64) and not serves(128256, 0)
+    assert not serves(2**31, 1)

@@ -74,6 +74,11 @@ SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 # then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
 ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
 
+# Decode attention over short caches gives each warp one load of 16 keys while that takes at most
+# this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
+# session 16).
+ATTN_ONE_LOAD_SPLITS = int(os.environ.get("TRELLIS_ATTN_ONE_LOAD_SPLITS", "10") or 0)
+
 _ext = None
 _ext_error: Exception | None = None
 
@@ -112,6 +117,7 @@ def extension():
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
         _ext.set_attn_merge_online(ATTN_MERGE_ONLINE)
+        _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
         # Which fp16-path products read their activations from one copy per block instead of one per
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
         # of at least 4096 x 14336 weights, 2 all.
@@ -636,17 +642,15 @@ _argmax_scratch: dict = {}
 # of torch.topk (~58 us for one 128k row on the H200); TRELLIS_TOPK=torch keeps torch's, for a
 # same-run comparison.
 TOPK_KERNEL = os.environ.get("TRELLIS_TOPK", "kernel").lower() != "torch"
-TOPK_KERNEL_MAX_K = 64
-_TOPK_BLOCK, _TOPK_MAX_CANDIDATES = 2048, 8192  # csrc/token_pick.cu: logits per first-stage block, candidates
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k) of a 1-d vector: (values, indices), largest first. On a GPU with the
-    kernels, for fp32 and k <= 64, two small launches; ties then go to the lower index (torch.topk
-    leaves their order open) and NaN counts as the largest value, as in torch.topk."""
-    n = x.numel()
-    if (TOPK_KERNEL and x.is_cuda and x.dim() == 1 and x.dtype == torch.float32 and 1 <= k <= TOPK_KERNEL_MAX_K
-            and k <= n < 2**31 and -(-n // _TOPK_BLOCK) * k <= _TOPK_MAX_CANDIDATES and _kernels_ready()):
+    kernels, for fp32 and k <= 64 (the kernel's limits: topk_small_serves), two small launches;
+    ties then go to the lower index (torch.topk leaves their order open) and NaN counts as the
+    largest value, as in torch.topk."""
+    if (TOPK_KERNEL and x.is_cuda and x.dim() == 1 and x.dtype == torch.float32 and _kernels_ready()
+            and extension().topk_small_serves(x.numel(), k)):
         vals, ids = extension().topk_small(x.contiguous(), k)
         return vals, ids
     return torch.topk(x, k)
