@@ -523,7 +523,7 @@ std::vector<torch::Tensor> topk_small(torch::Tensor x, int64_t k) {
     TORCH_CHECK(x.is_cuda() && x.dim() == 1 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
                 "topk_small: x must be a contiguous fp32 CUDA vector");
     const int64_t n = x.numel();
-    TORCH_CHECK(trellis::topk_small_serves(n, (int)k), "topk_small: needs 1 <= k <= 64, k <= n and n / 2,048 * k <= 8,192");
+    TORCH_CHECK(trellis::topk_small_serves(n, (int)k), "topk_small: needs 1 <= k <= 64, k <= n and ceil(n / 2,048) * k <= 8,192");
     const c10::cuda::CUDAGuard guard(x.device());
     auto scratch = torch::empty({(int64_t)trellis::topk_small_scratch_words((int)n, (int)k)}, x.options().dtype(torch::kLong));
     auto vals = torch::empty({k}, x.options());

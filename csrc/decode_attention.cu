@@ -415,9 +415,10 @@ int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int 
     // per warp (one load each) while that is at most attn_one_load_splits() splits; longer ones
     // about 32 keys per warp (two loads), more splits only to fill the GPU, since every split
     // beyond one costs the merge through the workspace. Measured (H200, Llama-3.1-8B shapes,
-    // csrc/PERF_NOTES.md session 16): 256 slots in 2 splits against 1 and 1,280 in 10 against 5
-    // decoded 1.1% and 0.5% faster; 1,280 in 8 splits (20 keys per warp, still two loads) 2.3%
-    // slower; 4,352 in 33 against 17 1.4% slower.
+    // csrc/PERF_NOTES.md session 16): 256 slots in 2 splits against 1 decoded 1.0-1.2% faster in
+    // three calls; 1,280 in 10 against 5 0.5% faster in two calls and the same in a third; 1,280
+    // in 8 splits (20 keys per warp, still two loads) 2.3% slower; 4,352 in 33 against 17 1.4%
+    // slower.
     const int one_load = (slots + kAttnWarps * 16 - 1) / (kAttnWarps * 16);
     int n = one_load <= attn_one_load_splits() ? one_load : (slots + kAttnWarps * 32 - 1) / (kAttnWarps * 32);
     const int cap = (2 * (sms > 0 ? sms : 132) + blocks_per_split - 1) / blocks_per_split;  // ~2 blocks per SM
