@@ -146,7 +146,9 @@ __global__ void __launch_bounds__(1024) sample_top_kernel(const float* __restric
     const int at = min(__syncthreads_count(t < keep && cdf <= target), keep - 1);  // searchsorted, right
     if (t == 0) {
         out[0] = ids[at];
-        out[1] = z != nullptr && top_p < 1.f && s_mass_last < top_p;  // top-p needs more than `look` tokens
+        // Top-p needs more than `look` tokens, unless min-p drops the last of them (and so every
+        // token past them): its cut is then the smaller set, inside the look.
+        out[1] = z != nullptr && top_p < 1.f && s_mass_last < top_p && !(min_on && vals[look - 1] - v0 < log_min_p);
         out[2] = !isfinite(*top);
     }
 }

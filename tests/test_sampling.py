@@ -72,6 +72,25 @@ def test_min_p_keeps_tokens_within_a_factor_of_the_top():
     assert {sample_next(logits, s, g) for _ in range(200)} == {0, 2}
 
 
+def test_min_p_inside_the_look_spares_top_p_its_widening():
+    """Ten tokens far above the rest: the 16 most likely hold a quarter of the mass, under top-p's
+    0.95, but min-p 0.1 keeps only the ten, so no token past the look could be drawn. candidates()
+    stops there with the full sort's answer, and choose() raises no widen flag and draws among
+    the ten; without min-p it still widens."""
+    from engine.generate.sampling import choose
+
+    logits = torch.zeros(5000)
+    logits[:10] = 5.0
+    assert kept(logits, top_p=0.95, min_p=0.1, first=16) == kept(logits, top_p=0.95, min_p=0.1, first=5000) == set(range(10))
+    picks = set()
+    for u in torch.linspace(0.0, 0.999, 40).tolist():
+        token, widen, bad = choose(logits, 0, 0.95, 0.1, torch.tensor(u, dtype=torch.float64), look=16).tolist()
+        assert widen == 0 and bad == 0 and token < 10
+        picks.add(token)
+    assert len(picks) == 10
+    assert choose(logits, 0, 0.95, 0.0, torch.tensor(0.5, dtype=torch.float64), look=16)[1] == 1
+
+
 def test_draw_follows_the_distribution_and_only_live_tokens():
     logits = torch.full((1000,), float("-inf"))
     logits[[3, 500, 999]] = torch.log(torch.tensor([0.2, 0.5, 0.3]))
@@ -138,6 +157,8 @@ def test_invalid_settings_are_config_errors(bad):
     (SamplerSettings(temperature=0.8, top_k=50, seed=3), False),
     (SamplerSettings(temperature=1.0, min_p=0.1, seed=4), False),
     (SamplerSettings(temperature=1.0, min_p=0.9, seed=4), True),
+    (SamplerSettings(temperature=1.0, top_p=0.95, min_p=0.02, seed=6), False),  # the app's creative preset
+    (SamplerSettings(temperature=1.0, top_p=0.99, min_p=0.5, seed=7), True),
     (SamplerSettings(temperature=1.2, seed=5), False),
 ])
 def test_sample_next_is_candidates_then_draw(settings, flat):

@@ -91,7 +91,8 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
     reaches p (within the top k when both apply); min-p the tokens at least min_p times as likely
     as the most likely one. The most likely token always survives. Top-p looks at the `first`
     most likely tokens first and widens the search (8x at a time, up to a full sort) only when
-    they hold less than p."""
+    they hold less than p and min-p would keep every one of them (else min-p's cut, inside the
+    look, is the smaller set and no token past the look can be drawn)."""
     n = logits.shape[-1]
     k = top_k if 0 < top_k < n else n
     if k == n and top_p >= 1.0:
@@ -107,7 +108,8 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
         else:  # these tokens' share of the whole distribution
             probs = torch.exp(vals - vals[0]) / torch.exp(logits - vals[0]).sum()
         mass = torch.cumsum(probs, dim=-1)
-        if look == k or look == n or bool(mass[-1] >= top_p):
+        if (look == k or look == n or bool(mass[-1] >= top_p)
+                or (min_p > 0.0 and bool(min_p_cuts_inside(vals, min_p)))):
             break
         look = min(n, look * 8)
     keep = vals.numel()
@@ -116,6 +118,12 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
     if min_p > 0.0:
         keep = min(keep, max(1, int((vals - vals[0] >= math.log(min_p)).sum())))
     return vals[:keep], ids[:keep]
+
+
+def min_p_cuts_inside(vals: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Whether min-p (> 0) drops the last of these most-likely-first values, and so every value
+    past them: top-p then needs no wider look. A 0-dim bool tensor (no host sync)."""
+    return vals[-1] - vals[0] < math.log(min_p)
 
 
 NO_DRAW = "no token can be drawn: the logits are NaN, +inf or all -inf"
@@ -181,6 +189,8 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
         probs = torch.softmax(vals, dim=-1) if whole else torch.exp(vals - vals[0]) / z
         mass = torch.cumsum(probs, dim=-1)
         widen = never() if whole or top_p >= 1.0 else mass[-1] < top_p
+        if min_p > 0.0 and not (whole or top_p >= 1.0):
+            widen = widen & ~min_p_cuts_inside(vals, min_p)
         keep = torch.full((), look, dtype=torch.long, device=logits.device)
         if top_p < 1.0:  # the tokens whose probability before them is under p: a prefix
             keep = ((mass - probs) < top_p).sum().clamp(min=1)
