@@ -123,21 +123,7 @@ def test_attention_kernel_does_the_decode_steps_rope(fixture_model, monkeypatch)
         assert same_top(a, b)
 
 
-@pytest.fixture
-def one_attention_split_count():
-    """Graph replays read the span's slots (256 here), eager steps the cache's length, so decode
-    attention's one-load rule (session 16) gives them different split counts, which round
-    differently: a greedy near tie can then flip a token. Under the 32-keys-per-warp rule both
-    take one split at these lengths, so exact token equality tests only the graphs."""
-    from engine import ops
-
-    ext = ops.extension()
-    ext.set_attn_one_load_splits(0)
-    yield
-    ext.set_attn_one_load_splits(ops.ATTN_ONE_LOAD_SPLITS)
-
-
-def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch, one_attention_split_count):
+def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):
     from engine.tokenizer import Tokenizer
 
     manifest = json.loads((ref_fixtures / "manifest.json").read_text())
