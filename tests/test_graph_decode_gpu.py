@@ -123,6 +123,22 @@ def test_attention_kernel_does_the_decode_steps_rope(fixture_model, monkeypatch)
         assert same_top(a, b)
 
 
+def _same_greedy_tokens(model, prompt: list[int], got: list[int], want: list[int]) -> bool:
+    """got is want, or first differs from it where the two tokens' logits (an eager forward over
+    the common prefix) are within 1e-2 of the logits' scale: graph replays and eager steps round
+    differently (split-k atomics in any order, attention over the span or the cache's length),
+    and test_replay_equals_eager_on_exl3_fixture bounds their logits' difference by that much."""
+    if got == want:
+        return True
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if i == min(len(got), len(want)):
+        return False  # one stopped early: not a near tie
+    ids = torch.tensor([prompt + want[:i]], device=model.device)
+    with torch.inference_mode():
+        logits = model(ids, model.new_cache(1, ids.shape[1]))[0, -1].float()
+    return bool((logits[got[i]] - logits[want[i]]).abs() <= 1e-2 * logits.abs().max())
+
+
 def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkeypatch):
     from engine.tokenizer import Tokenizer
 
@@ -136,10 +152,11 @@ def test_generate_with_graphs_equals_without(ref_fixtures, fixture_model, monkey
     with_graphs = generate(fixture_model, tok, prompt, 40, SamplerSettings())
     decoder = graph_decoder(fixture_model)
     assert decoder is not None and decoder.disabled is None and decoder.graphs
-    assert with_graphs.token_ids == without.token_ids and len(without.token_ids) > 8
+    assert len(without.token_ids) > 8
+    assert _same_greedy_tokens(fixture_model, prompt, with_graphs.token_ids, without.token_ids)
     captured, cache = dict(decoder.graphs), decoder.cache
     again = generate(fixture_model, tok, prompt, 40, SamplerSettings())
-    assert again.token_ids == without.token_ids
+    assert _same_greedy_tokens(fixture_model, prompt, again.token_ids, without.token_ids)
     assert decoder.cache is cache and decoder.graphs == captured  # reused, nothing recaptured
 
 

@@ -188,9 +188,12 @@ def choose(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, u: torc
             return ops.sample_top(vals, ids, top, z, top_p, min_p, u)
         probs = torch.softmax(vals, dim=-1) if whole else torch.exp(vals - vals[0]) / z
         mass = torch.cumsum(probs, dim=-1)
-        widen = never() if whole or top_p >= 1.0 else mass[-1] < top_p
-        if min_p > 0.0 and not (whole or top_p >= 1.0):
-            widen = widen & ~min_p_cuts_inside(vals, min_p)
+        if whole or top_p >= 1.0:
+            widen = never()
+        else:
+            widen = mass[-1] < top_p
+            if min_p > 0.0:  # min-p's cut inside the look: no token past it can be drawn
+                widen = widen & ~min_p_cuts_inside(vals, min_p)
         keep = torch.full((), look, dtype=torch.long, device=logits.device)
         if top_p < 1.0:  # the tokens whose probability before them is under p: a prefix
             keep = ((mass - probs) < top_p).sum().clamp(min=1)
