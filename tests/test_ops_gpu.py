@@ -556,30 +556,43 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
 
-@pytest.mark.parametrize("S", [700, 4100, 9000])
-def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
-    """Several splits (700 slots: 3; 4100: 17; 9000: 33 at one sequence of 8 kv heads, over one or
-    more batches of 8 partials) merge in one pass with a running max; the previous merge (the max
-    first, then the sums) gives the same output up to fp32 rounding, with splits whose keys are
-    all masked among them (the window hides the head of the cache)."""
-    from engine.models.layers import one_query_attention
-
-    g = torch.Generator(device=DEV).manual_seed(S)
+def _split_attention_case(S: int, seed: int):
+    """One sequence of 32 heads over 8 kv heads (D = 128) at S slots, and a window that masks the
+    cache's first half (so whole splits see only masked keys): q, k, v, window."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
     H, Hkv, D = 32, 8, 128
     k = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
     v = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
     q = torch.randn(1, H, 1, D, generator=g, device=DEV).half()
     window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
     window[:, : S // 2] = float("-inf")
+    return q, k, v, window
+
+
+def _attention_reference(q, k, v, mask):
+    from engine.models.layers import one_query_attention
+
+    D = q.shape[-1]
+    return one_query_attention(q.float(), k.float(), v.float(),
+                               None if mask is None else mask.float()[:, None, None, :], D ** -0.5)
+
+
+@pytest.mark.parametrize("S", [700, 4100, 9000])
+def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
+    """Several splits (700 slots: 3; 4100: 17; 9000: 33 at one sequence of 8 kv heads, over one or
+    more batches of 8 partials) merge in one pass with a running max; the previous merge (the max
+    first, then the sums) gives the same output up to fp32 rounding, with splits whose keys are
+    all masked among them (the window hides the head of the cache)."""
+    q, k, v, window = _split_attention_case(S, seed=S)
+    scale = q.shape[-1] ** -0.5
     ext = ops.extension()
     try:
         for mask in (None, window):
             ext.set_attn_merge_online(True)
-            one = ops.decode_attention(q, k, v, mask, D ** -0.5)
+            one = ops.decode_attention(q, k, v, mask, scale)
             ext.set_attn_merge_online(False)
-            two = ops.decode_attention(q, k, v, mask, D ** -0.5)
-            want = one_query_attention(q.float(), k.float(), v.float(),
-                                       None if mask is None else mask.float()[:, None, None, :], D ** -0.5)
+            two = ops.decode_attention(q, k, v, mask, scale)
+            want = _attention_reference(q, k, v, mask)
             assert rel_rms(one, want) < 2e-3 and rel_rms(two, want) < 2e-3
             assert rel_rms(one, two) < 1e-3
     finally:
@@ -591,24 +604,15 @@ def test_decode_attention_one_load_splits_match_reference(S):
     """Splits of one 16-key load per warp (set_attn_one_load_splits: never, the shipped limit,
     always up to the cap) give the reference's attention, with and without a window that leaves
     whole splits masked."""
-    from engine.models.layers import one_query_attention
-
-    g = torch.Generator(device=DEV).manual_seed(S + 3)
-    H, Hkv, D = 32, 8, 128
-    k = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
-    v = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
-    q = torch.randn(1, H, 1, D, generator=g, device=DEV).half()
-    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
-    window[:, : S // 2] = float("-inf")
+    q, k, v, window = _split_attention_case(S, seed=S + 3)
+    scale = q.shape[-1] ** -0.5
     ext = ops.extension()
     try:
         for limit in (0, 10, 64):
             ext.set_attn_one_load_splits(limit)
             for mask in (None, window):
-                got = ops.decode_attention(q, k, v, mask, D ** -0.5)
-                want = one_query_attention(q.float(), k.float(), v.float(),
-                                           None if mask is None else mask.float()[:, None, None, :], D ** -0.5)
-                assert rel_rms(got, want) < 2e-3, limit
+                got = ops.decode_attention(q, k, v, mask, scale)
+                assert rel_rms(got, _attention_reference(q, k, v, mask)) < 2e-3, limit
     finally:
         ext.set_attn_one_load_splits(ops.ATTN_ONE_LOAD_SPLITS)
 
