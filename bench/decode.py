@@ -264,6 +264,10 @@ def main(argv=None) -> int:
         def pick(table: dict, default):
             return next((v for k, v in table.items() if k in names), default)
 
+        def pick_number(stem: str, default: int) -> int:  # N of a path "cuda-graph-<stem>N"
+            found = [int(m.group(1)) for m in (re.fullmatch(rf"cuda-graph-{stem}(\d+)", n) for n in names) if m]
+            return found[0] if found else default
+
         ops.GLUE_KERNELS = "cuda-graph-noglue" not in names
         PICK["torch_argmax"] = "cuda-graph-torchargmax" in names
         PICK["sampler"] = None
@@ -292,13 +296,11 @@ def main(argv=None) -> int:
             ops.extension().set_pdl("cuda-graph-nopdl" not in names)
             ops.extension().set_prep_skip("cuda-graph-noprep" in names)
             ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))
-            four = [int(m.group(1)) for m in (re.fullmatch(r"cuda-graph-fourrows(\d+)", n) for n in names) if m]
-            ops.extension().set_gemv_four_row_units(four[0] if four else ops.FOUR_ROW_UNITS)
+            ops.extension().set_gemv_four_row_units(pick_number("fourrows", ops.FOUR_ROW_UNITS))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
-            one_load = [int(m.group(1)) for m in (re.fullmatch(r"cuda-graph-attnoneload(\d+)", n) for n in names) if m]
-            ops.extension().set_attn_one_load_splits(one_load[0] if one_load else ops.ATTN_ONE_LOAD_SPLITS)
+            ops.extension().set_attn_one_load_splits(pick_number("attnoneload", ops.ATTN_ONE_LOAD_SPLITS))
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:
                 run = decode_graph if graph else decode_eager
