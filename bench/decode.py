@@ -125,6 +125,34 @@ def load(model_dir: Path, path: str):
     return model, time.time() - t0
 
 
+def bandwidth_floor(model_dir: Path) -> dict:
+    """The fastest batch-1 decode this GPU allows, measured in this run rather than taken from a
+    datasheet: every weight file's bytes but the embedding table (a token reads one row of it),
+    at the speed of a large device-to-device copy (read and write bytes both counted, as DRAM
+    moves them)."""
+    from engine.inspect import read_safetensors_header
+    from engine.io.safetensors_header import weight_files
+
+    files = weight_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    embed = sum(t.nbytes for f in files for t in read_safetensors_header(f) if t.name == "model.embed_tokens.weight")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    copy_bps = 20 * 2 * src.numel() / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    read = total - embed
+    return {"bytes_per_token_GB": round(read / 1e9, 3), "copy_TBps": round(copy_bps / 1e12, 3),
+            "floor_tokens_per_s": round(copy_bps / read, 1)}
+
+
 def decode_eager(model, context: int, tokens: int, batch: int = 1) -> float:
     """Tokens/s of the model's own forward with its KV cache (one token per sequence per forward)."""
     cache = model.new_cache(batch, context + tokens + 8)
@@ -238,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the top CPU ops of 3 eager tokens per path")
     ap.add_argument("--breakdown", action="store_true",
                     help="cuda-graph path: GPU kernels per token, their summed time against the wall time, top kernels")
+    ap.add_argument("--floor", action="store_true",
+                    help="also print the batch-1 bandwidth floor measured in this run: the bytes a token reads "
+                         "over a device copy's speed")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "decode", "error": "no CUDA device"}))
@@ -246,6 +277,9 @@ def main(argv=None) -> int:
     from engine.ops import chain, open_sums
 
     model_dir = model_dir_of(args)
+    if args.floor:
+        print(json.dumps({"bench": "decode_floor", "shape": args.shape, "bits": args.bits,
+                          **bandwidth_floor(model_dir)}), flush=True)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
