@@ -399,6 +399,38 @@ torch::Tensor had128(torch::Tensor x, c10::optional<torch::Tensor> pre,
     return y;
 }
 
+// had128(gated_act(gate, up, act), pre): gate and up [rows, n] with unit column stride (column
+// slices of one gate/up output are fine), pre [n]. Output contiguous fp16. With svh_gate and
+// svh_up ([n] each; biases optional), gate and up are sums before the gate/up product's output
+// transform: had128(z, None, svh, bias) of each is taken first, with the same bits.
+torch::Tensor gated_had128(torch::Tensor gate, torch::Tensor up, int64_t act, torch::Tensor pre,
+                           c10::optional<torch::Tensor> svh_gate, c10::optional<torch::Tensor> svh_up,
+                           c10::optional<torch::Tensor> bias_gate, c10::optional<torch::Tensor> bias_up) {
+    TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
+                "gated_had128: fp16 CUDA tensors");
+    TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "gated_had128: gate and up must be the same 2-d shape");
+    TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gated_had128: last dim must be contiguous");
+    TORCH_CHECK(gate.stride(0) % 4 == 0 && up.stride(0) % 4 == 0 && (uintptr_t)gate.data_ptr() % 8 == 0 &&
+                    (uintptr_t)up.data_ptr() % 8 == 0,
+                "gated_had128: rows must be 8-byte aligned");
+    const c10::cuda::CUDAGuard guard(gate.device());
+    const int64_t n = gate.size(1);
+    TORCH_CHECK(n % 128 == 0, "gated_had128: last dim must be a multiple of 128");
+    check_half_vec(pre, n, "pre");
+    TORCH_CHECK(svh_gate.has_value() == svh_up.has_value(), "gated_had128: svh_gate and svh_up go together");
+    TORCH_CHECK(svh_gate.has_value() || (!bias_gate.has_value() && !bias_up.has_value()),
+                "gated_had128: a bias needs the output scales");
+    for (const auto* v : {&svh_gate, &svh_up, &bias_gate, &bias_up}) check_half_vec(*v, n, "output scale or bias");
+    auto y = torch::empty({gate.size(0), n}, gate.options());
+    if (gate.size(0) > 0) {
+        CHECK_CUDA_OK(trellis::gated_had128(hptr(gate), (int)gate.stride(0), hptr(up), (int)up.stride(0), (int)act,
+                                            hptr(pre), hptr_mut(y), (int)n, (int)gate.size(0), (int)n,
+                                            opt_hptr(svh_gate), opt_hptr(svh_up), opt_hptr(bias_gate),
+                                            opt_hptr(bias_up), at::cuda::getCurrentCUDAStream()));
+    }
+    return y;
+}
+
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps,
                                     c10::optional<torch::Tensor> residual) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.is_contiguous(),
@@ -691,6 +723,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
+    m.def("gated_had128", &gated_had128, "had128(act(gate) * up, pre): a gated MLP's down projection input at prefill",
+          py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("pre"), py::arg("svh_gate") = py::none(),
+          py::arg("svh_up") = py::none(), py::arg("bias_gate") = py::none(), py::arg("bias_up") = py::none());
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
     m.def("gated_act", &gated_act, "act(gate) * up");
     m.def("sample_top", &sample_top, "the sampler's draw among the top tokens (one block)");

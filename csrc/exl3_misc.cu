@@ -218,36 +218,16 @@ void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? unit
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 
 // ---------------------------------------------------------------------------------------------
-// 128-point Hadamard: one warp per (row, 128-wide block), 4 values per lane.
+// 128-point Hadamard: a warp per kHadTasks (row, 128-wide block) tasks, 4 values per lane. The
+// warp loads all of its tasks before it transforms any: with one task per warp the prefill's
+// transforms (11 per layer, ~14% of a 4,096-token prefill) moved ~55% of the bandwidth a copy
+// does, one 8-byte load per lane in flight (csrc/PERF_NOTES.md, session 17).
 
-template <typename Tin>
-__global__ void had128_kernel(Tin* in, int ld_in, half* out, int ld_out, const half* pre,
-                              const half* post, const half* bias, int rows, int n,
-                              bool zero_input) {
-    const int lane = threadIdx.x & 31;
-    const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int blocks_per_row = n >> 7;
-    if (task >= rows * blocks_per_row) return;
-    const int r = task / blocks_per_row;
-    const int k = (task - r * blocks_per_row) * 128 + lane * 4;
-    float v[4];
-    Tin* src = in + (size_t)r * ld_in + k;
-    if constexpr (sizeof(Tin) == 4) {
-        const float4 f = *reinterpret_cast<const float4*>(src);
-        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
-        if (zero_input) *reinterpret_cast<float4*>(src) = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else {
-        const uint2 hv = *reinterpret_cast<const uint2*>(src);
-        half2 p0 = as_h2(hv.x), p1 = as_h2(hv.y);
-        if (pre) {
-            const uint2 sv = *reinterpret_cast<const uint2*>(pre + k);
-            p0 = __hmul2(p0, as_h2(sv.x));
-            p1 = __hmul2(p1, as_h2(sv.y));
-        }
-        v[0] = __low2float(p0); v[1] = __high2float(p0);
-        v[2] = __low2float(p1); v[3] = __high2float(p1);
-    }
-    wht128_lane4(v, lane);
+constexpr int kHadTasks = 4;
+
+// A lane's 4 transformed values as the kernel writes them: fp16(v / sqrt(128)), times post,
+// plus bias (each an fp16 operation).
+__device__ __forceinline__ uint2 had_out4(const float v[4], const half* post, const half* bias, int k) {
     half2 o0 = __floats2half2_rn(v[0] * kHadNorm, v[1] * kHadNorm);
     half2 o1 = __floats2half2_rn(v[2] * kHadNorm, v[3] * kHadNorm);
     if (post) {
@@ -260,27 +240,121 @@ __global__ void had128_kernel(Tin* in, int ld_in, half* out, int ld_out, const h
         o0 = __hadd2(o0, as_h2(bv.x));
         o1 = __hadd2(o1, as_h2(bv.y));
     }
-    *reinterpret_cast<uint2*>(out + (size_t)r * ld_out + k) = make_uint2(as_u32(o0), as_u32(o1));
+    return make_uint2(as_u32(o0), as_u32(o1));
+}
+
+// Where a task's 4 values per lane come from: a row of `in` (fp16, optionally times pre, or
+// fp32, optionally zeroed behind the read) ...
+template <typename Tin>
+struct HadRows {
+    Tin* in;
+    int ld;
+    const half* pre;
+    bool zero_input;
+    __device__ __forceinline__ void load(int r, int k, int, float v[4]) const {
+        Tin* src = in + (size_t)r * ld + k;
+        if constexpr (sizeof(Tin) == 4) {
+            const float4 f = *reinterpret_cast<const float4*>(src);
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+            if (zero_input) *reinterpret_cast<float4*>(src) = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+            const uint2 hv = *reinterpret_cast<const uint2*>(src);
+            to_float4(hv, pre, k, v);
+        }
+    }
+    static __device__ __forceinline__ void to_float4(uint2 hv, const half* pre, int k, float v[4]) {
+        half2 p0 = as_h2(hv.x), p1 = as_h2(hv.y);
+        if (pre) {
+            const uint2 sv = *reinterpret_cast<const uint2*>(pre + k);
+            p0 = __hmul2(p0, as_h2(sv.x));
+            p1 = __hmul2(p1, as_h2(sv.y));
+        }
+        v[0] = __low2float(p0), v[1] = __high2float(p0);
+        v[2] = __low2float(p1), v[3] = __high2float(p1);
+    }
+};
+
+// ... or act(gate) * up (gated4: gated_act_kernel's rounding), times pre: a gated MLP's down
+// projection input at prefill in one pass instead of gated_act and then had128.
+struct HadGated {
+    const half* gate;
+    int ld_gate;
+    const half* up;
+    int ld_up;
+    int act;
+    const half* pre;
+    // open: gate and up are the gate/up product's sums before its output transform (had128,
+    // svh, bias), which this applies first, rounded as had128_kernel's output: the MLP's whole
+    // gate/up -> down hand-off at prefill is then one read of the sums and one write.
+    const half *svh_gate = nullptr, *svh_up = nullptr, *bias_gate = nullptr, *bias_up = nullptr;
+    __device__ __forceinline__ void load(int r, int k, int lane, float v[4]) const {
+        uint2 g = *reinterpret_cast<const uint2*>(gate + (size_t)r * ld_gate + k);
+        uint2 u = *reinterpret_cast<const uint2*>(up + (size_t)r * ld_up + k);
+        if (svh_gate) {
+            g = finished(g, svh_gate, bias_gate, k, lane);
+            u = finished(u, svh_up, bias_up, k, lane);
+        }
+        HadRows<const half>::to_float4(gated4(g, u, act), pre, k, v);
+    }
+    static __device__ __forceinline__ uint2 finished(uint2 zv, const half* post, const half* bias, int k, int lane) {
+        float f[4];
+        HadRows<const half>::to_float4(zv, nullptr, k, f);
+        wht128_lane4(f, lane);
+        return had_out4(f, post, bias, k);
+    }
+};
+
+template <typename Src>
+__global__ void had128_kernel(const Src src, half* out, int ld_out, const half* post, const half* bias, int rows,
+                              int n) {
+    const int lane = threadIdx.x & 31;
+    const long task0 = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kHadTasks;
+    const int blocks_per_row = n >> 7;
+    const long tasks = (long)rows * blocks_per_row;
+    float v[kHadTasks][4];
+    int rs[kHadTasks], ks[kHadTasks];
+#pragma unroll
+    for (int j = 0; j < kHadTasks; ++j) {
+        const long task = task0 + j;
+        rs[j] = (int)(task / blocks_per_row);
+        ks[j] = (int)(task - (long)rs[j] * blocks_per_row) * 128 + lane * 4;
+        if (task < tasks) src.load(rs[j], ks[j], lane, v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kHadTasks; ++j) {
+        if (task0 + j >= tasks) break;
+        wht128_lane4(v[j], lane);
+        *reinterpret_cast<uint2*>(out + (size_t)rs[j] * ld_out + ks[j]) = had_out4(v[j], post, bias, ks[j]);
+    }
 }
 
 static unsigned had_blocks(int rows, int n) {
-    const long tasks = (long)rows * (n / 128);
-    return (unsigned)((tasks + 7) / 8);
+    const long warps = ((long)rows * (n / 128) + kHadTasks - 1) / kHadTasks;
+    return (unsigned)((warps + 7) / 8);
 }
 
 cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
                        const half* bias, int rows, int n, bool zero_input, cudaStream_t stream) {
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
-    had128_kernel<float><<<had_blocks(rows, n), 256, 0, stream>>>(in, ld_in, out, ld_out, nullptr,
-                                                                  post, bias, rows, n, zero_input);
+    had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(HadRows<float>{in, ld_in, nullptr, zero_input}, out,
+                                                           ld_out, post, bias, rows, n);
     return cudaGetLastError();
 }
 
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
                        const half* post, const half* bias, int rows, int n, cudaStream_t stream) {
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
-    had128_kernel<const half><<<had_blocks(rows, n), 256, 0, stream>>>(
-        in, ld_in, out, ld_out, pre, post, bias, rows, n, false);
+    had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(HadRows<const half>{in, ld_in, pre, false}, out, ld_out,
+                                                           post, bias, rows, n);
+    return cudaGetLastError();
+}
+
+cudaError_t gated_had128(const half* gate, int ld_gate, const half* up, int ld_up, int act, const half* pre,
+                         half* out, int ld_out, int rows, int n, const half* svh_gate, const half* svh_up,
+                         const half* bias_gate, const half* bias_up, cudaStream_t stream) {
+    if (n % 128 || rows < 1 || act < 0 || act > 2 || !svh_gate != !svh_up) return cudaErrorInvalidValue;
+    const HadGated src{gate, ld_gate, up, ld_up, act, pre, svh_gate, svh_up, bias_gate, bias_up};
+    had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(src, out, ld_out, nullptr, nullptr, rows, n);
     return cudaGetLastError();
 }
 
@@ -436,6 +510,10 @@ cudaError_t gated_act(const half* gate, const half* up, half* y, int rows, int n
 // each thread rotates one pair (i, i + d/2) of some head. Rounds like the PyTorch fp16 ops it
 // replaces (x*cos and rot(x)*sin each rounded, then their sum), so both paths give the same bits.
 
+// W: pairs per thread. 2 (half2 loads and stores) wherever every row and head starts 4-byte
+// aligned: one pair per thread moved ~0.9 TB/s in a 4,096-token prefill (99 us a layer, where its
+// ~120 MB take ~28 us at copy speed; csrc/PERF_NOTES.md, session 17). The same bits either way.
+template <int W>
 __global__ void rope_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ cos,
                             const half* __restrict__ sin, int T, int hq, int hk, int d,
                             long q_batch, long q_tok, long k_batch, long k_tok, KvStore st) {
@@ -461,25 +539,48 @@ __global__ void rope_kernel(half* __restrict__ q, half* __restrict__ k, const ha
     const int pairs = (hq + hk) * half_d;
     // One thread per rotated pair, then (with a store) one per value copied into the cache,
     // spread over blockIdx.y: a decode step's one token fills ~30 blocks instead of looping in one.
-    const int p = blockIdx.y * blockDim.x + threadIdx.x;
+    const int p = (blockIdx.y * blockDim.x + threadIdx.x) * W;
+    using V = std::conditional_t<W == 2, half2, half>;
+    auto at = [](const half* ptr, int i) { return *reinterpret_cast<const V*>(ptr + i); };
+    auto put = [](half* ptr, int i, V v) { *reinterpret_cast<V*>(ptr + i) = v; };
     if (p < pairs) {
-        const int head = p / half_d, i = p - head * half_d;
+        const int head = p / half_d, i = p - head * half_d;  // W = 2: half_d is even, so i + 1 is this head's
         half* base = head < hq ? qrow + (size_t)head * d : krow + (size_t)(head - hq) * d;
-        const half lo = base[i], hi = base[i + half_d];
+        const V lo = at(base, i), hi = at(base, i + half_d);
         // _rn forms: a plain mul + add may be contracted into one fma, which rounds once less
-        const half r0 = __hadd_rn(__hmul_rn(lo, c[i]), __hmul_rn(__hneg(hi), s[i]));
-        const half r1 = __hadd_rn(__hmul_rn(hi, c[i + half_d]), __hmul_rn(lo, s[i + half_d]));
-        base[i] = r0;
-        base[i + half_d] = r1;
+        V r0, r1;
+        if constexpr (W == 2) {
+            r0 = __hadd2_rn(__hmul2_rn(lo, at(c, i)), __hmul2_rn(__hneg2(hi), at(s, i)));
+            r1 = __hadd2_rn(__hmul2_rn(hi, at(c, i + half_d)), __hmul2_rn(lo, at(s, i + half_d)));
+        } else {
+            r0 = __hadd_rn(__hmul_rn(lo, c[i]), __hmul_rn(__hneg(hi), s[i]));
+            r1 = __hadd_rn(__hmul_rn(hi, c[i + half_d]), __hmul_rn(lo, s[i + half_d]));
+        }
+        put(base, i, r0);
+        put(base, i + half_d, r1);
         if (kc && head >= hq) {
             half* dst = kc + (size_t)(head - hq) * st.c_head;
-            dst[i] = r0;
-            dst[i + half_d] = r1;
+            put(dst, i, r0);
+            put(dst, i + half_d, r1);
         }
     } else if (vc && p - pairs < hk * d) {
         const int e = p - pairs, head = e / d, i = e - head * d;
-        vc[(size_t)head * st.c_head + i] = vrow[(size_t)head * d + i];
+        put(vc + (size_t)head * st.c_head, i, at(vrow + (size_t)head * d, i));
     }
+}
+
+// Whether every row, head and table start the kernel touches is 4-byte aligned (rope_kernel<2>).
+static bool rope_pairs_aligned(const half* q, const half* k, const half* cos, const half* sin, int d, long q_batch,
+                               long q_tok, long k_batch, long k_tok, const KvStore& st) {
+    auto even = [](long v) { return v % 2 == 0; };
+    auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; };
+    bool ok = d % 4 == 0 && aligned(q) && aligned(k) && aligned(cos) && aligned(sin) && even(q_batch) &&
+              even(q_tok) && even(k_batch) && even(k_tok);
+    if (st.kc) {
+        ok = ok && aligned(st.kc) && aligned(st.vc) && aligned(st.v) && even(st.c_batch) && even(st.c_head) &&
+             even(st.c_tok) && even(st.v_batch) && even(st.v_tok);
+    }
+    return ok;
 }
 
 cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batch, int T, int hq,
@@ -488,9 +589,11 @@ cudaError_t rope_qk(half* q, half* k, const half* cos, const half* sin, int batc
     if (batch < 1 || T < 1 || d % 2 || hq < 0 || hk < 0) return cudaErrorInvalidValue;
     const int work = (hq + hk) * (d / 2) + (store.kc ? hk * d : 0);
     const int threads = 128;
-    const dim3 grid((unsigned)(batch * T), (unsigned)((work + threads - 1) / threads));
-    return launch_glue(rope_kernel, grid, dim3(threads), stream, q, k, cos, sin, T, hq, hk, d, q_batch, q_tok,
-                       k_batch, k_tok, store);
+    const bool pairs2 = rope_pairs_aligned(q, k, cos, sin, d, q_batch, q_tok, k_batch, k_tok, store);
+    const int per_thread = pairs2 ? 2 : 1;
+    const dim3 grid((unsigned)(batch * T), (unsigned)((work + threads * per_thread - 1) / (threads * per_thread)));
+    return launch_glue(pairs2 ? rope_kernel<2> : rope_kernel<1>, grid, dim3(threads), stream, q, k, cos, sin, T, hq,
+                       hk, d, q_batch, q_tok, k_batch, k_tok, store);
 }
 
 }  // namespace trellis

@@ -162,6 +162,13 @@ cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* 
                        const half* bias, int rows, int n, bool zero_input, cudaStream_t stream);
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
                        const half* post, const half* bias, int rows, int n, cudaStream_t stream);
+// out[rows, n] = had128_f16 of act(gate) * up (gated_act's rounding) with pre: a gated MLP's down
+// projection input at prefill, without the gated product going through memory. With svh_gate and
+// svh_up (biases optional), gate and up are the gate/up product's sums before its output
+// transform, which is applied first exactly as had128_f16(z, post = svh, bias) would.
+cudaError_t gated_had128(const half* gate, int ld_gate, const half* up, int ld_up, int act, const half* pre,
+                         half* out, int ld_out, int rows, int n, const half* svh_gate, const half* svh_up,
+                         const half* bias_gate, const half* bias_up, cudaStream_t stream);
 
 // Timing probe for benchmarks: 0 normal, 1 = product without decode, 2 = decode without MMA.
 void set_mm_debug_variant(int variant);

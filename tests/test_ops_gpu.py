@@ -243,6 +243,37 @@ def test_hadamard_kernel_matches_reference():
     assert rel_rms(ops.hadamard128(got), x.float()) < 2e-3
 
 
+@pytest.mark.parametrize("rows,n", [(1, 128), (3, 384), (37, 4096), (4096, 640)])
+def test_hadamard_kernel_tasks_per_warp_and_scales(rows, n):
+    """A warp of the Hadamard kernel takes several (row, 128-block) tasks, loaded before any is
+    transformed; task counts that are not a multiple of a block's share end inside a warp. Each
+    path against the torch steps it stands for: fp16 with pre, post and bias; fp32 with the input
+    zeroed behind the read (the product's workspace)."""
+    x = torch.randn(rows, n, device=DEV).half()
+    pre, post, bias = (torch.randn(n, device=DEV).half() for _ in range(3))
+    ext = ops.extension()
+    got = ext.had128(x, pre, post, bias)
+    xh = fmt.hadamard128((x * pre).float()).half()
+    assert rel_rms(got, xh * post + bias) < 1e-3
+    z = torch.randn(rows, n, device=DEV)
+    want = fmt.hadamard128(z).half() * post
+    assert rel_rms(ext.had128(z, None, post, None), want) < 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_had128_is_gated_act_then_had128(act):
+    """The prefill's down-projection input in one pass (act(gate) * up, times suh, Hadamard) gives
+    the bits of gated_act and then had128, for gate and up as column views of one output."""
+    ext = ops.extension()
+    for rows, n in ((1, 128), (5, 384), (300, 1024)):
+        gu = torch.randn(rows, 2 * n, device=DEV).half() * 3
+        gate, up = gu[:, :n], gu[:, n:]
+        suh = torch.randn(n, device=DEV).half()
+        want = ext.had128(ops.gated_act(gate, up, act), suh, None, None)
+        got = ext.gated_had128(gate, up, ops._ACT_IDS[act], suh)
+        assert torch.equal(got, want), (rows, n)
+
+
 def test_rms_norm_and_fused_residual():
     x = torch.randn(5, 4096, device=DEV).half()
     r = torch.randn(5, 4096, device=DEV).half()
@@ -256,24 +287,27 @@ def test_rms_norm_and_fused_residual():
     assert rel_rms(y, w * hs.half()) < 1e-3
 
 
-def test_rope_kernel_rounds_like_the_torch_ops():
+@pytest.mark.parametrize("D,extra", [(64, 64), (64, 2), (6, 0)])
+def test_rope_kernel_rounds_like_the_torch_ops(D, extra):
     """The fused kernel (in place, q and k in one launch) against the same formula in fp16 torch
-    ops on the GPU, including a q that is a strided slice of a wider projection output."""
-    wide = torch.randn(2, 3, 6 * 64 + 64, device=DEV).half()
-    tail = wide[..., 6 * 64:].clone()
-    q = wide[..., :6 * 64].view(2, 3, 6, 64)
-    k = torch.randn(2, 3, 2, 64, device=DEV).half()
-    ang = torch.randn(3, 64, device=DEV)
+    ops on the GPU, including a q that is a strided slice of a wider projection output. Two pairs
+    per thread where rows and heads start 4-byte aligned (D = 64 after 64 padding columns); one
+    where they do not (an odd token stride, D = 6)."""
+    wide = torch.randn(2, 3, 6 * D + extra + (1 if D == 6 else 0), device=DEV).half()
+    tail = wide[..., 6 * D:].clone()
+    q = wide[..., :6 * D].unflatten(-1, (6, D))
+    k = torch.randn(2, 3, 2, D, device=DEV).half()
+    ang = torch.randn(3, D, device=DEV)
     cos, sin = ang.cos().half(), ang.sin().half()
 
     def torch_rope(x):
         c, s = cos[:, None], sin[:, None]
-        return x * c + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * s
+        return x * c + torch.cat((-x[..., D // 2:], x[..., :D // 2]), dim=-1) * s
 
     want_q, want_k = torch_rope(q), torch_rope(k)
     got_q, got_k = ops.rope_qk(q, k.clone(), cos, sin)
     assert got_q.data_ptr() == wide.data_ptr() and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(wide[..., 6 * 64:], tail)  # the padding columns are not touched
+    assert torch.equal(wide[..., 6 * D:], tail)  # the padding columns are not touched
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
@@ -483,6 +517,34 @@ def test_gated_input_product_matches_act_then_product(act):
         assert fused.shape == (rows, n_out)
         assert rel_rms(fused, sep) < 1e-3, (rows, int8)
         assert rel_rms(fused, want) < 2e-3, (rows, int8)
+    # prefill (reconstruct + cuBLAS): the input transform takes act(gate) * up itself, same bits
+    gu = torch.randn(100, 2 * n_in, device=DEV).half() * 2
+    gate, up = gu[:, :n_in], gu[:, n_in:]
+    a = ops.gated_act(gate, up, act)
+    dense = ops.exl3_gemm(gate, t, up=up, act=act, mode="dense")
+    assert torch.equal(dense, ops.exl3_gemm(a, t, mode="dense"))
+    assert rel_rms(dense, fmt.exl3_matmul_reference(a.float(), t)) < 2e-3
+
+
+@pytest.mark.parametrize("act,bias", [("silu", False), ("gelu_pytorch_tanh", True)])
+def test_dense_gated_mlp_is_the_plain_prefill_path(act, bias):
+    """A prefill's gated MLP with the gate/up -> down hand-off in one kernel (dense_mlp.py): the
+    bits of the grouped gate/up product, its output transform, gated_act and the down projection
+    run apart; and the reference's MLP within fp16 rounding. Few rows are declined (the fused
+    per-row products serve those)."""
+    n_in, inter, n_out = 512, 384, 640
+    gate, up = (rand_layer(n_in, inter, 4, "mul1", seed=60 + i, bias=bias) for i in range(2))
+    down = rand_layer(inter, n_out, 3, "mul1", seed=62, bias=bias)
+    x = torch.randn(200, n_in, device=DEV).half()
+    want_g, want_u = (fmt.exl3_matmul_reference(x.float(), t) for t in (gate, up))
+    g = ops.join_linears([gate, up])
+    got = ops.dense_gated_mlp(x, g, down, act, inter, n_out)
+    gy, uy = ops.exl3_linear_group(x, g, [inter, inter])
+    assert torch.equal(got, ops.exl3_linear(gy, down, n_out, up=uy, act=act))
+    a = ops.gated_act(want_g.half(), want_u.half(), act)
+    assert rel_rms(got, fmt.exl3_matmul_reference(a.float(), down)) < 5e-3
+    assert ops.dense_gated_mlp(x[:8], g, down, act, inter, n_out) is None
+    assert ops.dense_gated_mlp(x, g, down, act, inter - 1, n_out) is None
 
 
 def test_static_cache_gpu_mask_is_additive_and_same_attention():

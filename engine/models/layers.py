@@ -309,6 +309,11 @@ class GatedMLP(nn.Module):
                                   self.down_proj.out_features, defer=self.defer_output)
             if out is not None:
                 return out
+            # a prefill: the gate/up sums go to the down projection's input in one pass
+            out = ops.dense_gated_mlp(x, self.gate_up.group, self.down_proj.exl3, self.act_name,
+                                      self.gate_proj.out_features, self.down_proj.out_features)
+            if out is not None:
+                return out
         if self.gate_up is not None:
             # gate/up's outputs may stay open sums where the down projection's prep reads them
             compressed_down = isinstance(self.down_proj, QuantLinear) and self.down_proj.compressed

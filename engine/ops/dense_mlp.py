@@ -1,0 +1,39 @@
+"""A gated MLP at prefill (many rows: reconstruct + cuBLAS), the gate/up -> down hand-off in one pass.
+
+Run apart, the hand-off goes through memory four times: the gate/up product's output transform
+(had128 with svh, over [rows, 2 * inter]), gated_act, then the down projection's input transform
+(had128 with suh). In a 4,096-token prefill of the Llama-3.1-8B shape those three passes were
+~15% of the GPU time (csrc/PERF_NOTES.md, session 17). Here one kernel (gated_had128 with the
+output scales) reads the gate/up sums once and writes the down projection's transformed input,
+with the same bits as the passes it replaces.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import ops  # a cycle (ops imports this module first): used at call time only
+
+
+def dense_gated_mlp(x: "torch.Tensor | ops.PendingNorm", g: "ops.EXL3Group", down, act: str, inter_features: int,
+                    out_features: int) -> torch.Tensor | None:
+    """down(act(gate(x)) * up(x)) for a prefill's rows on the GPU: g is the joined gate/up, `down`
+    the down projection's EXL3 tensors, inter_features the gate/up outputs' logical width. None
+    where this does not serve (few rows, padded widths, no kernels): the caller runs the plain
+    path."""
+    n = down.trellis.shape[0] * 16
+    in_f = g.trellis.shape[0] * 16
+    if (x.shape[:-1].numel() <= ops.FUSED_MAX_ROWS or x.shape[-1] != in_f or not ops.GLUE_KERNELS
+            or act not in ops._ACT_IDS or len(g.members) != 2 or g.seg_cols != [n] or inter_features != n
+            or g.trellis.shape[1] * 16 != 2 * n or not g.trellis.is_cuda or not down.trellis.is_cuda
+            or not ops._use_cuda(g.suh, g.svh, down.suh, down.svh)):
+        return None
+    x = ops.as_tensor(x)  # a pending norm runs as its own kernel at prefill, as on the plain path
+    if not ops._use_cuda(x):
+        return None
+    lead = x.shape[:-1]
+    z = ops._dense_group_sums(ops._kernel_rows(x, in_f), g)
+    bg, bu = (None, None) if g.bias is None else (g.bias[:n], g.bias[n:])
+    xh = ops.extension().gated_had128(z[:, :n], z[:, n:], ops._ACT_IDS[act], down.suh, g.svh[:n], g.svh[n:], bg, bu)
+    out_f = down.trellis.shape[1] * 16
+    y = ops._dense_product(xh, down, ops._padded_bias(down, out_f)).reshape(*lead, out_f)
+    return (y if out_f == out_features else y[..., :out_features]).to(x.dtype)
