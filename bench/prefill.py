@@ -70,7 +70,9 @@ def profile_prefill(model, T: int, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="prefill tokens/s on a synthetic EXL3 model")
     add_model_args(ap)
-    ap.add_argument("--paths", nargs="+", default=["torch", "cuda"])
+    ap.add_argument("--paths", nargs="+", default=["torch", "cuda"],
+                    help="torch (dense fp16), cuda, cuda-hadwarp (cuda with the fp16 Hadamards a warp per "
+                         "128-block, as before session 17: a same-run baseline); paths may repeat")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--modes", nargs="+", default=["last_logits", "full"])
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of one prefill per path")
@@ -79,9 +81,18 @@ def main(argv=None) -> int:
         print(json.dumps({"bench": "prefill", "error": "no CUDA device"}))
         return 1
     model_dir = model_dir_of(args)
+    loaded: dict = {}
     for path in args.paths:
-        torch.cuda.empty_cache()
-        model, load_s = load(model_dir, path)
+        kind = "torch" if path == "torch" else "cuda"
+        if kind not in loaded:  # one model per kind, so that repeated paths time the same weights
+            loaded.clear()
+            torch.cuda.empty_cache()
+            loaded[kind] = load(model_dir, kind)
+        model, load_s = loaded[kind]
+        if kind == "cuda":
+            from engine import ops
+
+            ops.extension().set_had_tiles(ops.HAD_TILES and path != "cuda-hadwarp")
         for T in args.lengths:
             for mode in args.modes:
                 try:
@@ -94,6 +105,7 @@ def main(argv=None) -> int:
         if args.profile:
             profile_prefill(model, max(args.lengths), path)
         del model
+    loaded.clear()
     return 0
 
 

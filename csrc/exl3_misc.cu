@@ -333,6 +333,164 @@ static unsigned had_blocks(int rows, int n) {
     return (unsigned)((warps + 7) / 8);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The same Hadamard over fp16 rows in tiles (prefill): a block stages 64 rows x one 128-column
+// block in shared memory with 16-byte loads, then 4 threads take a row, 32 values each, so 5 of
+// the 7 butterfly stages run in registers and 2 cross threads: 8 shuffles per row block against
+// the warp kernel's 20, whose shuffle rate held a 4,096-token prefill's transforms to ~1.6 TB/s
+// (csrc/PERF_NOTES.md, session 17). The stages pair the same elements in the same order as
+// wht128_lane4 (x + y to the lower, x - y to the upper, bits 0 to 6), so the bits are the same.
+
+constexpr int kHtRows = 64;     // rows per tile (256 threads, 4 per row)
+constexpr int kHtStride = 136;  // halfs per staged row: 16 bytes of padding against bank conflicts
+
+struct HtTile {
+    half v[kHtRows][kHtStride];
+};
+
+// Rows [r0, r0 + 64) (those below `rows`) x columns [c0, c0 + 128) of src into the tile.
+__device__ __forceinline__ void ht_stage(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
+    for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
+        const int r = c >> 4, j = (c & 15) * 8;
+        if (r0 + r < rows)
+            *reinterpret_cast<uint4*>(&t.v[r][j]) = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * ld + c0 + j);
+    }
+}
+
+// The tile back out to rows [r0, r0 + 64) x columns [c0, c0 + 128) of dst.
+__device__ __forceinline__ void ht_unstage(const HtTile& t, half* dst, int ld, int r0, int c0, int rows) {
+    for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
+        const int r = c >> 4, j = (c & 15) * 8;
+        if (r0 + r < rows)
+            *reinterpret_cast<uint4*>(dst + (size_t)(r0 + r) * ld + c0 + j) = *reinterpret_cast<const uint4*>(&t.v[r][j]);
+    }
+}
+
+// A thread's 16 pairs of its row (columns 32 q .. 32 q + 31 of the block).
+__device__ __forceinline__ void ht_pairs(const HtTile& t, int r, int q, half2 h[16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint4 w = *reinterpret_cast<const uint4*>(&t.v[r][32 * q + 8 * j]);
+        h[4 * j] = as_h2(w.x), h[4 * j + 1] = as_h2(w.y), h[4 * j + 2] = as_h2(w.z), h[4 * j + 3] = as_h2(w.w);
+    }
+}
+
+__device__ __forceinline__ void ht_put_pairs(HtTile& t, int r, int q, const half2 h[16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint4*>(&t.v[r][32 * q + 8 * j]) =
+            make_uint4(as_u32(h[4 * j]), as_u32(h[4 * j + 1]), as_u32(h[4 * j + 2]), as_u32(h[4 * j + 3]));
+}
+
+// fp16 pairs (times pre, an fp16 multiply, where given: pre points at this thread's 32 columns)
+// -> the unnormalized transform of the row's 128 values, this thread's 32.
+__device__ __forceinline__ void ht_transform(const half2 h[16], const half* pre, float v[32]) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const half2 p = pre ? __hmul2(h[j], *reinterpret_cast<const half2*>(pre + 2 * j)) : h[j];
+        v[2 * j] = __low2float(p), v[2 * j + 1] = __high2float(p);
+    }
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            if (!(i & s)) {
+                const float x = v[i], y = v[i + s];
+                v[i] = x + y;
+                v[i + s] = x - y;
+            }
+        }
+    }
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1) {
+        const bool upper = lane & s;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const float p = __shfl_xor_sync(0xffffffffu, v[i], s);
+            v[i] = upper ? p - v[i] : v[i] + p;
+        }
+    }
+}
+
+// had_out4's rounding for 32 values: fp16(v / sqrt(128)), times post, plus bias (at the thread's columns).
+__device__ __forceinline__ void ht_out(const float v[32], const half* post, const half* bias, half2 h[16]) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        half2 o = __floats2half2_rn(v[2 * j] * kHadNorm, v[2 * j + 1] * kHadNorm);
+        if (post) o = __hmul2(o, *reinterpret_cast<const half2*>(post + 2 * j));
+        if (bias) o = __hadd2(o, *reinterpret_cast<const half2*>(bias + 2 * j));
+        h[j] = o;
+    }
+}
+
+__device__ __forceinline__ const half* ht_at(const half* vec, int k) { return vec ? vec + k : nullptr; }
+
+__global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict__ in, int ld_in, const half* pre,
+                                                          half* __restrict__ out, int ld_out, const half* post,
+                                                          const half* bias, int rows) {
+    __shared__ __align__(16) HtTile t;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
+    ht_stage(t, in, ld_in, r0, c0, rows);
+    __syncthreads();
+    half2 h[16];
+    float v[32];
+    ht_pairs(t, r, q, h);
+    ht_transform(h, ht_at(pre, k), v);
+    ht_out(v, ht_at(post, k), ht_at(bias, k), h);
+    ht_put_pairs(t, r, q, h);  // only this thread's own slots: no barrier before
+    __syncthreads();
+    ht_unstage(t, out, ld_out, r0, c0, rows);
+}
+
+// gated_had128 in tiles; OPEN: gate and up are sums before gate/up's output transform.
+template <bool OPEN>
+__global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __restrict__ gate, int ld_gate,
+                                                                const half* __restrict__ up, int ld_up, int act,
+                                                                const half* pre, half* __restrict__ out, int ld_out,
+                                                                int rows, const half* svh_gate, const half* svh_up,
+                                                                const half* bias_gate, const half* bias_up) {
+    __shared__ __align__(16) HtTile tg, tu;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
+    ht_stage(tg, gate, ld_gate, r0, c0, rows);
+    ht_stage(tu, up, ld_up, r0, c0, rows);
+    __syncthreads();
+    half2 g[16], u[16];
+    ht_pairs(tg, r, q, g);
+    ht_pairs(tu, r, q, u);
+    float v[32];
+    if constexpr (OPEN) {
+        ht_transform(g, nullptr, v);
+        ht_out(v, svh_gate + k, ht_at(bias_gate, k), g);
+        ht_transform(u, nullptr, v);
+        ht_out(v, svh_up + k, ht_at(bias_up, k), u);
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+        g[j] = __halves2half2(gated_value(__low2half(g[j]), __low2half(u[j]), act),
+                              gated_value(__high2half(g[j]), __high2half(u[j]), act));
+    ht_transform(g, pre + k, v);
+    ht_out(v, nullptr, nullptr, g);
+    ht_put_pairs(tg, r, q, g);
+    __syncthreads();
+    ht_unstage(tg, out, ld_out, r0, c0, rows);
+}
+
+// Whether the tile kernels may take these: every row start and vector 16-byte aligned.
+static bool ht_aligned(std::initializer_list<const half*> ptrs, std::initializer_list<int> lds) {
+    for (const half* p : ptrs)
+        if (reinterpret_cast<uintptr_t>(p) % 16) return false;
+    for (int ld : lds)
+        if (ld % 8) return false;
+    return had_tiles_flag();
+}
+
+static dim3 ht_grid(int rows, int n) { return dim3((unsigned)((rows + kHtRows - 1) / kHtRows), (unsigned)(n / 128)); }
+
+void set_had_tiles(bool enabled) { had_tiles_flag() = enabled; }
+
 cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
                        const half* bias, int rows, int n, bool zero_input, cudaStream_t stream) {
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
@@ -344,6 +502,10 @@ cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* 
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
                        const half* post, const half* bias, int rows, int n, cudaStream_t stream) {
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
+    if (ht_aligned({in, out, pre, post, bias}, {ld_in, ld_out})) {
+        had128_tile_kernel<<<ht_grid(rows, n), 256, 0, stream>>>(in, ld_in, pre, out, ld_out, post, bias, rows);
+        return cudaGetLastError();
+    }
     had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(HadRows<const half>{in, ld_in, pre, false}, out, ld_out,
                                                            post, bias, rows, n);
     return cudaGetLastError();
@@ -353,6 +515,12 @@ cudaError_t gated_had128(const half* gate, int ld_gate, const half* up, int ld_u
                          half* out, int ld_out, int rows, int n, const half* svh_gate, const half* svh_up,
                          const half* bias_gate, const half* bias_up, cudaStream_t stream) {
     if (n % 128 || rows < 1 || act < 0 || act > 2 || !svh_gate != !svh_up) return cudaErrorInvalidValue;
+    if (ht_aligned({gate, up, pre, out, svh_gate, svh_up, bias_gate, bias_up}, {ld_gate, ld_up, ld_out})) {
+        auto* kernel = svh_gate ? gated_had128_tile_kernel<true> : gated_had128_tile_kernel<false>;
+        kernel<<<ht_grid(rows, n), 256, 0, stream>>>(gate, ld_gate, up, ld_up, act, pre, out, ld_out, rows, svh_gate,
+                                                     svh_up, bias_gate, bias_up);
+        return cudaGetLastError();
+    }
     const HadGated src{gate, ld_gate, up, ld_up, act, pre, svh_gate, svh_up, bias_gate, bias_up};
     had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(src, out, ld_out, nullptr, nullptr, rows, n);
     return cudaGetLastError();

@@ -255,6 +255,11 @@ def test_hadamard_kernel_tasks_per_warp_and_scales(rows, n):
     got = ext.had128(x, pre, post, bias)
     xh = fmt.hadamard128((x * pre).float()).half()
     assert rel_rms(got, xh * post + bias) < 1e-3
+    try:  # 64-row tiles (the default) and a warp per 128-block: the same butterflies, the same bits
+        ext.set_had_tiles(False)
+        assert torch.equal(ext.had128(x, pre, post, bias), got)
+    finally:
+        ext.set_had_tiles(ops.HAD_TILES)
     z = torch.randn(rows, n, device=DEV)
     want = fmt.hadamard128(z).half() * post
     assert rel_rms(ext.had128(z, None, post, None), want) < 1e-3
@@ -263,15 +268,27 @@ def test_hadamard_kernel_tasks_per_warp_and_scales(rows, n):
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated_had128_is_gated_act_then_had128(act):
     """The prefill's down-projection input in one pass (act(gate) * up, times suh, Hadamard) gives
-    the bits of gated_act and then had128, for gate and up as column views of one output."""
+    the bits of gated_act and then had128, for gate and up as column views of one output; also
+    in the open form (gate/up's own output transform first), and where rows start misaligned for
+    the tile kernel (the warp kernel takes them)."""
     ext = ops.extension()
+    a = ops._ACT_IDS[act]
     for rows, n in ((1, 128), (5, 384), (300, 1024)):
         gu = torch.randn(rows, 2 * n, device=DEV).half() * 3
         gate, up = gu[:, :n], gu[:, n:]
         suh = torch.randn(n, device=DEV).half()
         want = ext.had128(ops.gated_act(gate, up, act), suh, None, None)
-        got = ext.gated_had128(gate, up, ops._ACT_IDS[act], suh)
+        got = ext.gated_had128(gate, up, a, suh)
         assert torch.equal(got, want), (rows, n)
+        # open: gate and up still to be transformed (svh, bias), as the prefill's MLP passes them
+        svh_g, svh_u, b_g, b_u = (torch.randn(n, device=DEV).half() for _ in range(4))
+        fin_g, fin_u = ext.had128(gate.contiguous(), None, svh_g, b_g), ext.had128(up.contiguous(), None, svh_u, b_u)
+        want_open = ext.had128(ops.gated_act(fin_g, fin_u, act), suh, None, None)
+        assert torch.equal(ext.gated_had128(gate, up, a, suh, svh_g, svh_u, b_g, b_u), want_open), (rows, n)
+        # rows that start 8 but not 16 bytes aligned take the warp kernel: the same bits
+        wide = torch.zeros(rows, 2 * n + 8, device=DEV).half()
+        wide[:, 4:4 + 2 * n] = gu
+        assert torch.equal(ext.gated_had128(wide[:, 4:4 + n], wide[:, 4 + n:4 + 2 * n], a, suh), want), (rows, n)
 
 
 def test_rms_norm_and_fused_residual():

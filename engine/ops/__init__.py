@@ -80,6 +80,10 @@ ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
 # session 16).
 ATTN_ONE_LOAD_SPLITS = int(os.environ.get("TRELLIS_ATTN_ONE_LOAD_SPLITS", "10") or 0)
 
+# fp16 Hadamards (the prefill's input and output transforms) run in 64-row tiles in shared memory
+# (TRELLIS_HAD_TILES=0: a warp per 128-block, as before session 17; the same bits).
+HAD_TILES = os.environ.get("TRELLIS_HAD_TILES", "1") != "0"
+
 _ext = None
 _ext_error: Exception | None = None
 
@@ -126,6 +130,7 @@ def extension():
         # Workspace rows a product's finishing warp reads per round trip (TRELLIS_FINISH_ROWS=1: row by
         # row, the earlier order, for a same-run baseline).
         _ext.set_gemv_finish_rows(int(os.environ.get("TRELLIS_FINISH_ROWS", "8") or 8))
+        _ext.set_had_tiles(HAD_TILES)
         if _DEFAULT_VARIANT:
             _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
     return _ext
