@@ -218,10 +218,10 @@ void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? unit
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 
 // ---------------------------------------------------------------------------------------------
-// 128-point Hadamard: a warp per kHadTasks (row, 128-wide block) tasks, 4 values per lane. The
-// warp loads all of its tasks before it transforms any: with one task per warp the prefill's
-// transforms (11 per layer, ~14% of a 4,096-token prefill) moved ~55% of the bandwidth a copy
-// does, one 8-byte load per lane in flight (csrc/PERF_NOTES.md, session 17).
+// 128-point Hadamard: a warp per kHadTasks (row, 128-wide block) tasks, 4 values per lane, all
+// of its tasks loaded before it transforms any (one task per warp kept one 8-byte load per lane
+// in flight). It serves fp32 input (a product's workspace) and rows the tile kernels below cannot
+// take; those replaced it at prefill, where it moved ~1.6 TB/s (csrc/PERF_NOTES.md, session 17).
 
 constexpr int kHadTasks = 4;
 
@@ -337,8 +337,9 @@ static unsigned had_blocks(int rows, int n) {
 // The same Hadamard over fp16 rows in tiles (prefill): a block stages 64 rows x one 128-column
 // block in shared memory with 16-byte loads, then 4 threads take a row, 32 values each, so 5 of
 // the 7 butterfly stages run in registers and 2 cross threads: 8 shuffles per row block against
-// the warp kernel's 20, whose shuffle rate held a 4,096-token prefill's transforms to ~1.6 TB/s
-// (csrc/PERF_NOTES.md, session 17). The stages pair the same elements in the same order as
+// the warp kernel's 20. That one moved ~1.6 TB/s in an 8,192-token prefill, and by count its
+// shuffles alone took about as long as its memory traffic (csrc/PERF_NOTES.md, session 17). The
+// stages pair the same elements in the same order as
 // wht128_lane4 (x + y to the lower, x - y to the upper, bits 0 to 6), so the bits are the same.
 
 constexpr int kHtRows = 64;     // rows per tile (256 threads, 4 per row)

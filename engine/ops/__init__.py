@@ -755,15 +755,16 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     return q, k
 
 
-# Decode chains (engine/ops/chain.py), for the models.
+# Decode chains (engine/ops/chain.py) and the prefill MLP's hand-off (dense_mlp.py), for the models.
 defer_linear = _chain.defer_linear
 gated_chain = _chain.gated_chain
-dense_gated_mlp = _dense_mlp.dense_gated_mlp
 attention_into_chain = _chain.attention_into_chain
+dense_gated_mlp = _dense_mlp.dense_gated_mlp
 
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
-    "can_group", "defer_linear", "gated_chain", "dense_gated_mlp", "attention_into_chain", "Deferred", "exl3_reconstruct",
+    "can_group", "defer_linear", "gated_chain", "attention_into_chain", "dense_gated_mlp", "Deferred",
+    "exl3_reconstruct",
     "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope",
     "hadamard128", "rms_norm", "add_rms_norm",
     "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",

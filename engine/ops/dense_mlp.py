@@ -1,8 +1,8 @@
 """A gated MLP at prefill (many rows: reconstruct + cuBLAS), the gate/up -> down hand-off in one pass.
 
-Run apart, the hand-off goes through memory four times: the gate/up product's output transform
-(had128 with svh, over [rows, 2 * inter]), gated_act, then the down projection's input transform
-(had128 with suh). In a 4,096-token prefill of the Llama-3.1-8B shape those three passes were
+Run apart, the hand-off is three passes over the activations: the gate/up product's output
+transform (had128 with svh, over [rows, 2 * inter]), gated_act, then the down projection's input
+transform (had128 with suh). In a 4,096-token prefill of the Llama-3.1-8B shape those three passes were
 ~15% of the GPU time (csrc/PERF_NOTES.md, session 17). Here one kernel (gated_had128 with the
 output scales) reads the gate/up sums once and writes the down projection's transformed input,
 with the same bits as the passes it replaces.
