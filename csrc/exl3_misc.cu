@@ -479,7 +479,8 @@ __global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __re
     ht_unstage(tg, out, ld_out, r0, c0, rows);
 }
 
-// Whether the tile kernels may take these: every row start and vector 16-byte aligned.
+// Whether the tile kernels take these: tiles on (set_had_tiles), every row start and vector
+// 16-byte aligned.
 static bool ht_aligned(std::initializer_list<const half*> ptrs, std::initializer_list<int> lds) {
     for (const half* p : ptrs)
         if (reinterpret_cast<uintptr_t>(p) % 16) return false;

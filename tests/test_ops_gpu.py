@@ -244,11 +244,11 @@ def test_hadamard_kernel_matches_reference():
 
 
 @pytest.mark.parametrize("rows,n", [(1, 128), (3, 384), (37, 4096), (4096, 640)])
-def test_hadamard_kernel_tasks_per_warp_and_scales(rows, n):
-    """A warp of the Hadamard kernel takes several (row, 128-block) tasks, loaded before any is
-    transformed; task counts that are not a multiple of a block's share end inside a warp. Each
-    path against the torch steps it stands for: fp16 with pre, post and bias; fp32 with the input
-    zeroed behind the read (the product's workspace)."""
+def test_hadamard_kernels_tiles_warps_and_scales(rows, n):
+    """The Hadamard kernels against the torch steps they stand for: fp16 with pre, post and bias
+    in 64-row tiles (the default; row counts that end inside a tile), the same bits from the warp
+    kernel (several tasks per warp, counts that end inside a warp), and fp32 input (a product's
+    workspace), which the warp kernel takes."""
     x = torch.randn(rows, n, device=DEV).half()
     pre, post, bias = (torch.randn(n, device=DEV).half() for _ in range(3))
     ext = ops.extension()
@@ -304,13 +304,13 @@ def test_rms_norm_and_fused_residual():
     assert rel_rms(y, w * hs.half()) < 1e-3
 
 
-@pytest.mark.parametrize("D,extra", [(64, 64), (64, 2), (6, 0)])
-def test_rope_kernel_rounds_like_the_torch_ops(D, extra):
+@pytest.mark.parametrize("D,pad", [(64, 64), (64, 2), (6, 1)])
+def test_rope_kernel_rounds_like_the_torch_ops(D, pad):
     """The fused kernel (in place, q and k in one launch) against the same formula in fp16 torch
-    ops on the GPU, including a q that is a strided slice of a wider projection output. Two pairs
-    per thread where rows and heads start 4-byte aligned (D = 64 after 64 padding columns); one
-    where they do not (an odd token stride, D = 6)."""
-    wide = torch.randn(2, 3, 6 * D + extra + (1 if D == 6 else 0), device=DEV).half()
+    ops on the GPU, for a q that is a strided slice of a wider projection output (pad columns
+    after it). Two pairs per thread where rows and heads start 4-byte aligned (D = 64); one where
+    they do not (D = 6 and one padding column: an odd token stride)."""
+    wide = torch.randn(2, 3, 6 * D + pad, device=DEV).half()
     tail = wide[..., 6 * D:].clone()
     q = wide[..., :6 * D].unflatten(-1, (6, D))
     k = torch.randn(2, 3, 2, D, device=DEV).half()
