@@ -406,8 +406,9 @@ torch::Tensor had128(torch::Tensor x, c10::optional<torch::Tensor> pre,
 torch::Tensor gated_had128(torch::Tensor gate, torch::Tensor up, int64_t act, torch::Tensor pre,
                            c10::optional<torch::Tensor> svh_gate, c10::optional<torch::Tensor> svh_up,
                            c10::optional<torch::Tensor> bias_gate, c10::optional<torch::Tensor> bias_up) {
-    TORCH_CHECK(gate.is_cuda() && gate.scalar_type() == torch::kHalf && up.scalar_type() == torch::kHalf,
-                "gated_had128: fp16 CUDA tensors");
+    TORCH_CHECK(gate.is_cuda() && up.device() == gate.device() && gate.scalar_type() == torch::kHalf &&
+                    up.scalar_type() == torch::kHalf,
+                "gated_had128: fp16 tensors on one CUDA device");
     TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "gated_had128: gate and up must be the same 2-d shape");
     TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gated_had128: last dim must be contiguous");
     TORCH_CHECK(gate.stride(0) % 4 == 0 && up.stride(0) % 4 == 0 && (uintptr_t)gate.data_ptr() % 8 == 0 &&

@@ -163,7 +163,8 @@ cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* 
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
                        const half* post, const half* bias, int rows, int n, cudaStream_t stream);
 // Whether fp16 Hadamards run in 64-row tiles in shared memory (default) or a warp per 128-block
-// (the kernel before session 17; a benchmark baseline). The same bits either way.
+// (the form before session 17, now with 4 blocks per warp; a benchmark baseline). The same bits
+// either way.
 void set_had_tiles(bool enabled);
 // out[rows, n] = had128_f16 of act(gate) * up (gated_act's rounding) with pre: a gated MLP's down
 // projection input at prefill, without the gated product going through memory. With svh_gate and
