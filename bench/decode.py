@@ -125,11 +125,24 @@ def load(model_dir: Path, path: str):
     return model, time.time() - t0
 
 
+def load_kind(loaded: dict, model_dir: Path, path: str):
+    """(model, load seconds) for a benchmark path: one model per kind (torch: dense weights; any
+    other path: the kernels'), kept in `loaded` so that paths of one kind time the same weights
+    and only a change of kind loads again (the previous model freed first)."""
+    kind = "torch" if path == "torch" else "cuda"
+    if kind not in loaded:
+        loaded.clear()
+        torch.cuda.empty_cache()
+        loaded[kind] = load(model_dir, kind)
+    return loaded[kind]
+
+
 def bandwidth_floor(model_dir: Path) -> dict:
     """The fastest batch-1 decode this GPU allows, measured in this run rather than taken from a
     datasheet: every weight file's bytes but the embedding table (a token reads one row of it),
     at the speed of a large device-to-device copy (read and write bytes both counted, as DRAM
     moves them)."""
+    from bench.linear import time_calls
     from engine.inspect import read_safetensors_header
     from engine.io.safetensors_header import weight_files
 
@@ -138,16 +151,7 @@ def bandwidth_floor(model_dir: Path) -> dict:
     embed = sum(t.nbytes for f in files for t in read_safetensors_header(f) if t.name == "model.embed_tokens.weight")
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    copy_bps = 20 * 2 * src.numel() / (start.elapsed_time(end) / 1e3)
-    del src, dst
+    copy_bps = 2 * src.numel() / (time_calls(lambda i: dst.copy_(src), 20, 3) / 1e6)
     read = total - embed
     return {"bytes_per_token_GB": round(read / 1e9, 3), "copy_TBps": round(copy_bps / 1e12, 3),
             "floor_tokens_per_s": round(copy_bps / read, 1)}
@@ -285,12 +289,7 @@ def main(argv=None) -> int:
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
-        kind = "torch" if path == "torch" else "cuda"
-        if kind not in loaded:
-            loaded.clear()
-            torch.cuda.empty_cache()
-            loaded[kind] = load(model_dir, kind)
-        model, load_s = loaded[kind]
+        model, load_s = load_kind(loaded, model_dir, path)
         graph = path.startswith("cuda-graph")
         # "cuda-graph-a+b+c": the settings of cuda-graph-a, -b and -c together
         names = {path.split("+")[0]} | {"cuda-graph-" + m for m in path.split("+")[1:]}
@@ -319,14 +318,13 @@ def main(argv=None) -> int:
         ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
-        if kind == "cuda":
+        if path != "torch":
             from engine.models.layers import fuse_projections, split_projections
 
             if "cuda-graph-nogroup" in names:
                 split_projections(model)
             else:
                 fuse_projections(model)
-        if path != "torch":
             ops.extension().set_pdl("cuda-graph-nopdl" not in names)
             ops.extension().set_prep_skip("cuda-graph-noprep" in names)
             ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.decode import add_model_args, load, model_dir_of
+from bench.decode import add_model_args, load_kind, model_dir_of
 
 
 def forward_last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -80,18 +80,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "prefill", "error": "no CUDA device"}))
         return 1
+    from engine import ops
+
     model_dir = model_dir_of(args)
     loaded: dict = {}
     for path in args.paths:
-        kind = "torch" if path == "torch" else "cuda"
-        if kind not in loaded:  # one model per kind, so that repeated paths time the same weights
-            loaded.clear()
-            torch.cuda.empty_cache()
-            loaded[kind] = load(model_dir, kind)
-        model, load_s = loaded[kind]
-        if kind == "cuda":
-            from engine import ops
-
+        model, load_s = load_kind(loaded, model_dir, path)
+        if path != "torch":
             ops.extension().set_had_tiles(ops.HAD_TILES and path != "cuda-hadwarp")
         for T in args.lengths:
             for mode in args.modes:
@@ -104,8 +99,6 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
         if args.profile:
             profile_prefill(model, max(args.lengths), path)
-        del model
-    loaded.clear()
     return 0
 
 
