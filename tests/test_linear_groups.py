@@ -75,6 +75,17 @@ def test_fused_projections_keep_model_logits(tmp_path):
     assert torch.allclose(after, want, rtol=1e-4, atol=1e-4)
 
 
+def test_is_gate_up_takes_two_members_of_the_down_projections_width():
+    from engine.ops.groups import is_gate_up
+
+    pair = ops.join_linears([rand_layer(256, 384, 2, "mcg", 1), rand_layer(256, 384, 2, "mcg", 2)])
+    assert is_gate_up(pair, 384) and not is_gate_up(pair, 256)
+    uneven = ops.join_linears([rand_layer(256, 384, 2, "mcg", 3), rand_layer(256, 256, 2, "mcg", 4)])
+    assert not is_gate_up(uneven, 384) and not is_gate_up(uneven, 320)
+    three = ops.join_linears([rand_layer(256, 128, 2, "mcg", 5 + i) for i in range(3)])
+    assert not is_gate_up(three, 128)
+
+
 def test_gated_input_falls_back_to_act_then_product_off_the_gpu():
     """exl3_gemm(gate, up=...) is exl3_gemm(gated_act(gate, up)) wherever the fused prep does not
     run (the reference path here); a padded `in` is zero-extended after the activation."""

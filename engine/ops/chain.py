@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import ops  # a cycle (ops imports this module first): used at call time only
+from engine.ops.groups import is_gate_up
 from engine.ops.settings import parse_kinds
 
 # The links a decode step may chain (ops.CHAIN): "attn", the attention kernel writing o_proj's
@@ -227,9 +228,8 @@ def gated_chain(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group, down, act
     (the caller then runs the plain path)."""
     n = down.trellis.shape[0] * 16
     lead = x.shape[:-1]
-    if (act not in ops._ACT_IDS or lead.numel() != 1 or len(g.members) != 2 or g.seg_cols != [n]
-            or g.trellis.shape[1] * 16 != 2 * n or not _takes_prepared(down, n, g.trellis.device, "gated")
-            or not _writes_chain(g)):
+    if (act not in ops._ACT_IDS or lead.numel() != 1 or not is_gate_up(g, n)
+            or not _takes_prepared(down, n, g.trellis.device, "gated") or not _writes_chain(g)):
         return None
     target = PreparedInput.empty(1, n, g.trellis.device)
     pairs = ops._zeroed(_pair_counters, g.trellis.device, n // 128, 1024, torch.int32)

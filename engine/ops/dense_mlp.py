@@ -2,8 +2,9 @@
 
 Run apart, the hand-off is three passes over the activations: the gate/up product's output
 transform (had128 with svh, over [rows, 2 * inter]), gated_act, then the down projection's input
-transform (had128 with suh). In a 4,096-token prefill of the Llama-3.1-8B shape those three passes were
-~15% of the GPU time (csrc/PERF_NOTES.md, session 17). Here one kernel (gated_had128 with the
+transform (had128 with suh). In a 4,096-token prefill of the Llama-3.1-8B shape gated_act alone
+was 7% of the GPU time, and the two transforms about as much again by their share of the
+Hadamard kernel's bytes (csrc/PERF_NOTES.md, session 17). Here one kernel (gated_had128 with the
 output scales) reads the gate/up sums once and writes the down projection's transformed input,
 with the same bits as the passes it replaces.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine import ops  # a cycle (ops imports this module first): used at call time only
+from engine.ops.groups import is_gate_up
 
 
 def dense_gated_mlp(x: "torch.Tensor | ops.PendingNorm", g: "ops.EXL3Group", down, act: str, inter_features: int,
@@ -23,8 +25,8 @@ def dense_gated_mlp(x: "torch.Tensor | ops.PendingNorm", g: "ops.EXL3Group", dow
     n = down.trellis.shape[0] * 16
     in_f = g.trellis.shape[0] * 16
     if (x.shape[:-1].numel() <= ops.FUSED_MAX_ROWS or x.shape[-1] != in_f or not ops.GLUE_KERNELS
-            or act not in ops._ACT_IDS or len(g.members) != 2 or g.seg_cols != [n] or inter_features != n
-            or g.trellis.shape[1] * 16 != 2 * n or not g.trellis.is_cuda or not down.trellis.is_cuda
+            or act not in ops._ACT_IDS or not is_gate_up(g, n) or inter_features != n
+            or not g.trellis.is_cuda or not down.trellis.is_cuda
             or not ops._use_cuda(g.suh, g.svh, down.suh, down.svh)):
         return None
     x = ops.as_tensor(x)  # a pending norm runs as its own kernel at prefill, as on the plain path

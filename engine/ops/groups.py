@@ -39,6 +39,12 @@ class EXL3Group:
 MAX_MEMBERS = 4  # the kernel's segment table
 
 
+def is_gate_up(g: EXL3Group, n: int) -> bool:
+    """Whether g is a gated MLP's gate and up, each n (padded) columns wide: the down projection
+    that reads act(gate) * up then takes n inputs."""
+    return len(g.members) == 2 and g.seg_cols == [n] and g.trellis.shape[1] * 16 == 2 * n
+
+
 def can_group(members: list[EXL3Tensors]) -> bool:
     """One launch needs one K, one codebook, one input width, at most four members."""
     if not 2 <= len(members) <= MAX_MEMBERS:
