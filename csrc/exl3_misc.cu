@@ -387,10 +387,8 @@ __device__ __forceinline__ void ht_put_pairs(HtTile& t, int r, int q, const half
 // -> the unnormalized transform of the row's 128 values, this thread's 32.
 __device__ __forceinline__ void ht_transform(const half2 h[16], const half* pre, float v[32]) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const half2 p = pre ? __hmul2(h[j], *reinterpret_cast<const half2*>(pre + 2 * j)) : h[j];
-        v[2 * j] = __low2float(p), v[2 * j + 1] = __high2float(p);
-    }
+    for (int j = 0; j < 8; ++j)
+        HadRows<const half>::to_float4(make_uint2(as_u32(h[2 * j]), as_u32(h[2 * j + 1])), pre, 4 * j, v + 4 * j);
 #pragma unroll
     for (int s = 1; s < 32; s <<= 1) {
 #pragma unroll
@@ -414,14 +412,12 @@ __device__ __forceinline__ void ht_transform(const half2 h[16], const half* pre,
     }
 }
 
-// had_out4's rounding for 32 values: fp16(v / sqrt(128)), times post, plus bias (at the thread's columns).
+// had_out4 for the thread's 32 values (post and bias at its columns).
 __device__ __forceinline__ void ht_out(const float v[32], const half* post, const half* bias, half2 h[16]) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        half2 o = __floats2half2_rn(v[2 * j] * kHadNorm, v[2 * j + 1] * kHadNorm);
-        if (post) o = __hmul2(o, *reinterpret_cast<const half2*>(post + 2 * j));
-        if (bias) o = __hadd2(o, *reinterpret_cast<const half2*>(bias + 2 * j));
-        h[j] = o;
+    for (int j = 0; j < 8; ++j) {
+        const uint2 o = had_out4(v + 4 * j, post, bias, 4 * j);
+        h[2 * j] = as_h2(o.x), h[2 * j + 1] = as_h2(o.y);
     }
 }
 
@@ -469,9 +465,11 @@ __global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __re
         ht_out(v, svh_up + k, ht_at(bias_up, k), u);
     }
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-        g[j] = __halves2half2(gated_value(__low2half(g[j]), __low2half(u[j]), act),
-                              gated_value(__high2half(g[j]), __high2half(u[j]), act));
+    for (int j = 0; j < 8; ++j) {
+        const uint2 h = gated4(make_uint2(as_u32(g[2 * j]), as_u32(g[2 * j + 1])),
+                               make_uint2(as_u32(u[2 * j]), as_u32(u[2 * j + 1])), act);
+        g[2 * j] = as_h2(h.x), g[2 * j + 1] = as_h2(h.y);
+    }
     ht_transform(g, pre + k, v);
     ht_out(v, nullptr, nullptr, g);
     ht_put_pairs(tg, r, q, g);
