@@ -210,14 +210,20 @@ def test_pipelined_generation_equals_the_plain_loop(ref_fixtures, fixture_model,
         return token
 
     monkeypatch.setattr(sampling.PendingToken, "result", counted)
+    def same(got: list[int], want: list[int]) -> bool:
+        # Greedy on the EXL3 fixture: the products' atomics add in any order, so a near tie may go
+        # either way from run to run (it did once: session 18's call 1, token 38 of 40). The
+        # fp32 model's draws must repeat exactly.
+        return _same_greedy_tokens(model, prompt, got, want) if case == "greedy" else got == want
+
     monkeypatch.setenv("TRELLIS_PIPELINE", "0")
     plain = generate(model, tok, prompt, 40, settings)
-    assert generate(model, tok, prompt, 40, settings).token_ids == plain.token_ids, "the plain loop is not repeatable"
+    assert same(generate(model, tok, prompt, 40, settings).token_ids, plain.token_ids), "the plain loop is not repeatable"
     monkeypatch.setenv("TRELLIS_PIPELINE", "1")
     redraws.clear()
     piped = generate(model, tok, prompt, 40, settings)
     assert graph_decoder(model).disabled is None
-    assert piped.token_ids == plain.token_ids and len(plain.token_ids) == 40
+    assert same(piped.token_ids, plain.token_ids) and len(plain.token_ids) == 40
     if case == "widening":
         assert any(redraws), "no draw widened: the test does not reach the redraw path"
 
