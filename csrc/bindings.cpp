@@ -458,6 +458,39 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps
     return {y};
 }
 
+// [out [nm, rows, n], x + residual (with a residual)]: out[i] = had128(rms_norm(x (+ residual)) * w,
+// pre[i]) for the nm rows of pre, the inputs of a grouped product's members at prefill, with the
+// bits of rms_norm and then had128.
+std::vector<torch::Tensor> norm_had128(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual,
+                                       torch::Tensor pre) {
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kHalf && x.is_contiguous(),
+                "norm_had128: x must be contiguous fp16 CUDA");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t n = x.size(-1);
+    const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
+    TORCH_CHECK(n % 128 == 0, "norm_had128: last dim must be a multiple of 128");
+    check_half_vec(w, n, "weight");
+    TORCH_CHECK(pre.is_cuda() && pre.device() == x.device() && pre.scalar_type() == torch::kHalf && pre.dim() == 2 &&
+                    pre.size(1) == n && pre.size(0) >= 1 && pre.is_contiguous(),
+                "norm_had128: pre must be contiguous fp16 [members, n] on x's device");
+    torch::Tensor res_out;
+    if (residual.has_value()) {
+        TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                        residual->scalar_type() == torch::kHalf && residual->device() == x.device(),
+                    "norm_had128: residual must match x");
+        res_out = torch::empty_like(x);
+    }
+    auto out = torch::empty({pre.size(0), rows, n}, x.options());
+    if (rows > 0) {
+        auto inv = torch::empty({rows}, x.options().dtype(torch::kFloat));
+        CHECK_CUDA_OK(trellis::norm_had128(hptr(x), opt_hptr(residual), residual.has_value() ? hptr_mut(res_out) : nullptr,
+                                           hptr(w), (float)eps, inv.data_ptr<float>(), hptr(pre), (int)pre.size(0),
+                                           hptr_mut(out), (int)rows, (int)n, at::cuda::getCurrentCUDAStream()));
+    }
+    if (residual.has_value()) return {out, res_out};
+    return {out};
+}
+
 // kc, vc [batch, hk, slots, d] (last dim contiguous, same strides), v [batch, T, hk, d] with
 // heads contiguous, pos int64 [1] on the device: also store k (rotated) and v at slot pos + t.
 void rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
@@ -729,6 +762,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("pre"), py::arg("svh_gate") = py::none(),
           py::arg("svh_up") = py::none(), py::arg("bias_gate") = py::none(), py::arg("bias_up") = py::none());
     m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add");
+    m.def("norm_had128", &norm_had128, "a grouped product's member inputs at prefill: had128 of RMSNorm under each pre-scale");
     m.def("gated_act", &gated_act, "act(gate) * up");
     m.def("sample_top", &sample_top, "the sampler's draw among the top tokens (one block)");
     m.def("topk_small", &topk_small, "the k (<= 64) largest of an fp32 vector, largest first, ties to the lower index");

@@ -608,16 +608,11 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
-__global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restrict__ residual,
-                                const half* __restrict__ w, half* __restrict__ y,
-                                half* __restrict__ residual_out, int n, float eps) {
-    pdl_launch_dependents();
-    pdl_wait_primary();
-    __shared__ float scratch[32];
-    const size_t base = (size_t)blockIdx.x * n;
-    const half2* x2 = reinterpret_cast<const half2*>(x + base);
-    const half2* r2 = residual ? reinterpret_cast<const half2*>(residual + base) : nullptr;
-    half2* ro2 = residual_out ? reinterpret_cast<half2*>(residual_out + base) : nullptr;
+// The row's x + residual (stored to residual_out where given) and 1 / rms. rms_norm_kernel and
+// rms_inv_kernel both take it from here, one block per row of the same size, so norm_had128's
+// rows are scaled by the same inv, to the bit, as rms_norm's.
+__device__ __forceinline__ float row_rms_inv(const half2* x2, const half2* r2, half2* ro2, int n, float eps,
+                                             float* scratch) {
     const int n2 = n >> 1;
     float ss = 0.f;
     for (int q = threadIdx.x; q < n2; q += blockDim.x) {
@@ -629,21 +624,113 @@ __global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restri
         const float2 f = __half22float2(v);
         ss += f.x * f.x + f.y * f.y;
     }
-    const float inv = rsqrtf(block_sum(ss, scratch) / n + eps);
+    return rsqrtf(block_sum(ss, scratch) / n + eps);
+}
+
+__global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restrict__ residual,
+                                const half* __restrict__ w, half* __restrict__ y,
+                                half* __restrict__ residual_out, int n, float eps) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * n;
+    const half2* x2 = reinterpret_cast<const half2*>(x + base);
+    const half2* r2 = residual ? reinterpret_cast<const half2*>(residual + base) : nullptr;
+    half2* ro2 = residual_out ? reinterpret_cast<half2*>(residual_out + base) : nullptr;
+    const float inv = row_rms_inv(x2, r2, ro2, n, eps, scratch);
     const half2* src = r2 ? ro2 : x2;
     const half2* w2 = reinterpret_cast<const half2*>(w);
     half2* y2 = reinterpret_cast<half2*>(y + base);
-    for (int q = threadIdx.x; q < n2; q += blockDim.x) {
+    for (int q = threadIdx.x; q < (n >> 1); q += blockDim.x) {
         const float2 f = __half22float2(src[q]);
         y2[q] = __hmul2(w2[q], __floats2half2_rn(f.x * inv, f.y * inv));
     }
 }
 
+static int rms_norm_threads(int n) { return n >= 4096 ? 1024 : (n >= 1024 ? 512 : 128); }
+
+// rms_norm's first half: the residual sum and each row's 1 / rms, for norm_had128_tile_kernel.
+__global__ void rms_inv_kernel(const half* __restrict__ x, const half* __restrict__ residual,
+                               half* __restrict__ residual_out, float* __restrict__ inv, int n, float eps) {
+    pdl_launch_dependents();
+    pdl_wait_primary();
+    __shared__ float scratch[32];
+    const size_t base = (size_t)blockIdx.x * n;
+    const half2* r2 = residual ? reinterpret_cast<const half2*>(residual + base) : nullptr;
+    half2* ro2 = residual_out ? reinterpret_cast<half2*>(residual_out + base) : nullptr;
+    const float v = row_rms_inv(reinterpret_cast<const half2*>(x + base), r2, ro2, n, eps, scratch);
+    if (threadIdx.x == 0) inv[blockIdx.x] = v;
+}
+
+// A grouped product's inputs at prefill: for each of nm members (q/k/v or gate/up, whose input
+// signs differ), had128 of rms_norm(src) * w with that member's pre-scale, in 64-row tiles as
+// had128_tile_kernel. Apart, the norm wrote its output and each member's transform read it again
+// (the Llama-3.1-8B q/k/v: 10 row-sized passes against 7 here, counting the stats kernel's).
+// The normed values are rms_norm_kernel's (its roundings, inv from row_rms_inv) and each
+// member's transform is had128_tile_kernel's, so the bits are those of the passes it replaces.
+__global__ void __launch_bounds__(256) norm_had128_tile_kernel(const half* __restrict__ src, int ld,
+                                                               const float* __restrict__ inv, const half* w,
+                                                               const half* pre, int nm, int n,
+                                                               half* __restrict__ out, int rows) {
+    __shared__ __align__(16) HtTile t;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
+    const bool live = r0 + r < rows;  // the others compute too: ht_transform's shuffles need all lanes
+    ht_stage(t, src, ld, r0, c0, rows);
+    __syncthreads();
+    half2 h[16];
+    ht_pairs(t, r, q, h);
+    const float iv = live ? inv[r0 + r] : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + k + 8 * j);
+        const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 f = __half22float2(h[4 * j + e]);
+            h[4 * j + e] = __hmul2(as_h2(ws[e]), __floats2half2_rn(f.x * iv, f.y * iv));
+        }
+    }
+    for (int i = 0; i < nm; ++i) {
+        float v[32];
+        half2 o[16];
+        ht_transform(h, pre + (size_t)i * n + k, v);
+        ht_out(v, nullptr, nullptr, o);
+        if (live) {
+            uint4* dst = reinterpret_cast<uint4*>(out + ((size_t)i * rows + r0 + r) * n + k);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                dst[j] = make_uint4(as_u32(o[4 * j]), as_u32(o[4 * j + 1]), as_u32(o[4 * j + 2]), as_u32(o[4 * j + 3]));
+        }
+    }
+}
+
+cudaError_t norm_had128(const half* x, const half* residual, half* residual_out, const half* w, float eps,
+                        float* inv, const half* pre, int nm, half* out, int rows, int n, cudaStream_t stream) {
+    if (n % 128 || rows < 1 || nm < 1 || (residual && !residual_out)) return cudaErrorInvalidValue;
+    const half* src = residual ? residual_out : x;
+    const size_t member = (size_t)rows * n;
+    if (!ht_aligned({x, residual, residual_out, w, pre, out}, {n})) {
+        // The passes apart (the warp Hadamard, or tiles off): the norm into the last member's slot,
+        // the other members' transforms from it, then its own in place (each 128-block is read
+        // before it is written, by the same warp or tile).
+        half* normed = out + (nm - 1) * member;
+        cudaError_t e = rms_norm(x, residual, w, normed, residual_out, rows, n, eps, stream);
+        for (int i = 0; i < nm && e == cudaSuccess; ++i)
+            e = had128_f16(normed, n, out + i * member, n, pre + (size_t)i * n, nullptr, nullptr, rows, n, stream);
+        return e;
+    }
+    cudaError_t e = launch_glue(rms_inv_kernel, dim3(rows), dim3(rms_norm_threads(n)), stream, x, residual,
+                                residual_out, inv, n, eps);
+    if (e != cudaSuccess) return e;
+    norm_had128_tile_kernel<<<ht_grid(rows, n), 256, 0, stream>>>(src, n, inv, w, pre, nm, n, out, rows);
+    return cudaGetLastError();
+}
+
 cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,
                      half* residual_out, int rows, int n, float eps, cudaStream_t stream) {
     if (n % 2 || rows < 1 || (residual && !residual_out)) return cudaErrorInvalidValue;
-    const int threads = n >= 4096 ? 1024 : (n >= 1024 ? 512 : 128);
-    return launch_glue(rms_norm_kernel, dim3(rows), dim3(threads), stream, x, residual, w, y, residual_out,
+    return launch_glue(rms_norm_kernel, dim3(rows), dim3(rms_norm_threads(n)), stream, x, residual, w, y, residual_out,
                        n, eps);
 }
 

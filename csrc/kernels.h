@@ -225,6 +225,13 @@ cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_o
 // x is first replaced by fp16(x + residual) and that sum is written to residual_out.
 cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,
                      half* residual_out, int rows, int n, float eps, cudaStream_t stream);
+// A grouped product's transformed inputs at prefill: out[i] (member i of nm, [rows, n] each,
+// contiguous) = had128_f16 of rms_norm(x (+ residual)) * w with pre-scale pre[i] ([nm, n]), with the
+// bits of rms_norm followed by had128_f16. inv: rows floats of scratch. residual_out as rms_norm's.
+// Where the tile kernels are off or a pointer is not 16-byte aligned it runs rms_norm and then
+// had128_f16 per member (the same bits).
+cudaError_t norm_had128(const half* x, const half* residual, half* residual_out, const half* w, float eps,
+                        float* inv, const half* pre, int nm, half* out, int rows, int n, cudaStream_t stream);
 
 // out[r] = the first index of row r's largest value (NaN above all, as torch.argmax), x [rows, n]
 // fp32 (f32) or fp16 with row stride ld; scratch: 2 * rows zeroed 64-bit words, left zero.

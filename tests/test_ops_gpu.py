@@ -603,6 +603,61 @@ def test_pending_norm_computed_in_the_grouped_prep(with_residual):
             assert rel_rms(a, b) < 1e-3, (rows, int8)
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_had128_is_rms_norm_then_had128_per_member(with_residual):
+    """A grouped product's prefill inputs in one pass (norm_had128): for every member's pre-scale,
+    the bits of rms_norm (or add_rms_norm, whose sum it also writes) and then had128, in 64-row
+    tiles (row counts that end inside a tile), and through its fallback where the tile kernels are
+    off or x does not start 16-byte aligned."""
+    ext = ops.extension()
+    for rows, n, members in ((1, 128, 1), (63, 512, 3), (130, 4096, 2), (65, 1024, 4)):
+        x = torch.randn(rows, n, device=DEV).half() * 3
+        r = torch.randn(rows, n, device=DEV).half() if with_residual else None
+        w = (torch.rand(n, device=DEV) + 0.5).half()
+        pre = torch.randn(members, n, device=DEV).half()
+        normed, s = ops.add_rms_norm(x, r, w, 1e-5) if with_residual else (ops.rms_norm(x, w, 1e-5), None)
+        want = torch.stack([ext.had128(normed, pre[i], None, None) for i in range(members)])
+        got = ext.norm_had128(x, w, 1e-5, r, pre)
+        assert len(got) == (2 if with_residual else 1) and torch.equal(got[0], want), (rows, n)
+        if with_residual:
+            assert torch.equal(got[1], s)
+        try:
+            ext.set_had_tiles(False)
+            assert torch.equal(ext.norm_had128(x, w, 1e-5, r, pre)[0], want), (rows, n)
+        finally:
+            ext.set_had_tiles(ops.HAD_TILES)
+        shifted = torch.empty(rows * n + 4, device=DEV).half()[4:].view(rows, n)  # 8, not 16, bytes aligned
+        shifted.copy_(x)
+        assert torch.equal(ext.norm_had128(shifted, w, 1e-5, r, pre)[0], want), (rows, n)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_prefill_group_takes_the_norm_in_its_input_pass(with_residual, monkeypatch):
+    """At prefill a grouped product (q/k/v) and the gated MLP (gate/up -> down) reading a pending
+    norm compute it in their members' input pass: the same bits as from the norm kernel's output,
+    as with TRELLIS_NORM_HAD=0, and x + residual recorded bit for bit."""
+    members = [rand_layer(512, n, 4, "mul1", seed=700 + i) for i, n in enumerate((384, 128, 128))]
+    g = ops.join_linears(members)
+    gate, up = (rand_layer(512, 384, 4, "mul1", seed=710 + i) for i in range(2))
+    gu = ops.join_linears([gate, up])
+    down = rand_layer(384, 512, 3, "mul1", seed=712)
+    w = (torch.rand(512, device=DEV) + 0.5).half()
+    x = torch.randn(1, 200, 512, device=DEV).half()
+    r = torch.randn(1, 200, 512, device=DEV).half() if with_residual else None
+    h, s = ops.add_rms_norm(x, r, w, 1e-5) if with_residual else (ops.rms_norm(x, w, 1e-5), x)
+    want = ops.exl3_gemm_group(h, g)
+    want_mlp = ops.dense_gated_mlp(h, gu, down, "silu", 384, 512)
+    for norm_had in (True, False):
+        monkeypatch.setattr(ops, "NORM_HAD", norm_had)
+        p = ops.PendingNorm(x, w, 1e-5, r)
+        got = ops.exl3_gemm_group(p, g)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), norm_had
+        assert torch.equal(ops.as_sum(p), s), norm_had
+        p = ops.PendingNorm(x, w, 1e-5, r)
+        assert torch.equal(ops.dense_gated_mlp(p, gu, down, "silu", 384, 512), want_mlp), norm_had
+        assert torch.equal(ops.as_sum(p), s), norm_had
+
+
 @pytest.mark.parametrize("D,H,Hkv", [(128, 32, 8), (64, 9, 3), (128, 28, 4), (256, 8, 8), (64, 14, 2), (128, 5, 5)])
 @pytest.mark.parametrize("S", [1, 37, 256, 4100])
 def test_decode_attention_matches_reference(D, H, Hkv, S):

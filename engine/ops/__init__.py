@@ -84,6 +84,11 @@ ATTN_ONE_LOAD_SPLITS = int(os.environ.get("TRELLIS_ATTN_ONE_LOAD_SPLITS", "10") 
 # (TRELLIS_HAD_TILES=0: a warp per 128-block, as before session 17; the same bits).
 HAD_TILES = os.environ.get("TRELLIS_HAD_TILES", "1") != "0"
 
+# A grouped prefill product's norm and member input transforms in two kernels (norm_had128: the
+# norm's statistics, then one pass writing every member's input) instead of the norm's pass and one
+# transform per member; the same bits. TRELLIS_NORM_HAD=0 runs them apart, as before session 18.
+NORM_HAD = os.environ.get("TRELLIS_NORM_HAD", "1") != "0"
+
 _ext = None
 _ext_error: Exception | None = None
 
@@ -385,18 +390,32 @@ def _dense_product(xh: torch.Tensor, t, bias: torch.Tensor | None) -> torch.Tens
     return ext.had128(z, None, t.svh, bias)
 
 
-def _dense_group_sums(x2: torch.Tensor, g: EXL3Group) -> torch.Tensor:
+def _dense_group_sums(xs: list[torch.Tensor], g: EXL3Group) -> torch.Tensor:
     """The grouped prefill product before its output transform: [rows, out] fp16, member i's
-    columns had128(x * suh_i) @ W-hat_i. Each member's product goes straight into its columns
-    (cuBLAS takes the row stride), not into a tensor of its own and then a concatenation: 8% less
-    time for gate/up at 4,096 rows (csrc/PERF_NOTES.md, session 17)."""
-    ext = extension()
-    w_hat = ext.exl3_reconstruct(g.trellis, CODEBOOK_IDS[g.codebook])
-    z = torch.empty(x2.shape[0], w_hat.shape[1], dtype=torch.float16, device=x2.device)
-    xc = x2.contiguous()
-    for i, (a, b) in enumerate(g.bounds):
-        torch.matmul(ext.had128(xc, g.suh[i], None, None), w_hat[:, a:b], out=z[:, a:b])
+    columns xs[i] @ W-hat_i, xs[i] = had128(x * suh_i) (_member_inputs). Each member's product goes
+    straight into its columns (cuBLAS takes the row stride), not into a tensor of its own and then
+    a concatenation: 8% less time for gate/up at 4,096 rows (csrc/PERF_NOTES.md, session 17)."""
+    w_hat = extension().exl3_reconstruct(g.trellis, CODEBOOK_IDS[g.codebook])
+    z = torch.empty(xs[0].shape[0], w_hat.shape[1], dtype=torch.float16, device=xs[0].device)
+    for x, (a, b) in zip(xs, g.bounds):
+        torch.matmul(x, w_hat[:, a:b], out=z[:, a:b])
     return z
+
+
+def _member_inputs(x: "torch.Tensor | PendingNorm", g: EXL3Group) -> list[torch.Tensor]:
+    """Each member's transformed prefill input had128(x * suh_i), [rows, in]. A pending norm is
+    computed in the same pass (norm_had128: the norm's statistics, then one read of the row for
+    every member), and its residual stream recorded; the bits are those of the norm's kernel and
+    then one transform per member, which TRELLIS_NORM_HAD=0 runs (bench.prefill's cuda-normsep)."""
+    in_f = g.trellis.shape[0] * 16
+    ext = extension()
+    if isinstance(x, PendingNorm) and NORM_HAD and x.fusable(in_f) and not isinstance(x.x, OpenSums):
+        res = None if x.residual is None else x.residual.reshape(-1, in_f)
+        outs = ext.norm_had128(x.x.reshape(-1, in_f), x.weight, x.eps, res, g.suh)
+        x.sum = x.x if res is None else outs[1].view(x.x.shape)
+        return list(outs[0])
+    xc = _kernel_rows(as_tensor(x), in_f).contiguous()
+    return [ext.had128(xc, g.suh[i], None, None) for i in range(len(g.bounds))]
 
 
 def _open_product(x: OpenSums, up: OpenSums | None, act: str, t, int8: bool | None,
@@ -473,6 +492,11 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return [y[..., a:b] for a, b in g.bounds]
         x.x = x.x.value()
+    if (isinstance(x, PendingNorm) and not fused and mode != "torch" and chain is None and g.trellis.is_cuda
+            and x.fusable(in_f) and _use_cuda(g.suh, g.svh)):  # a prefill: the norm in the members' input pass
+        lead, out_f = x.shape[:-1], g.trellis.shape[1] * 16
+        y = extension().had128(_dense_group_sums(_member_inputs(x, g), g), None, g.svh, g.bias).reshape(*lead, out_f)
+        return [y[..., a:b] for a, b in g.bounds]
     if isinstance(x, PendingNorm):
         if fused and x.fusable(in_f) and g.trellis.is_cuda:
             norm, x = x, x.x
@@ -498,7 +522,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
         if leave_open:
             return _open.wrap(y, g.svh, g.bias, ws, g.bounds, tuple(lead), x.dtype)
     else:
-        y = ext.had128(_dense_group_sums(x2, g), None, g.svh, g.bias)
+        y = ext.had128(_dense_group_sums(_member_inputs(x2, g), g), None, g.svh, g.bias)
     y = y.reshape(*lead, out_f)
     return [y[..., a:b] for a, b in g.bounds]
 

@@ -29,11 +29,12 @@ def dense_gated_mlp(x: "torch.Tensor | ops.PendingNorm", g: "ops.EXL3Group", dow
             or not g.trellis.is_cuda or not down.trellis.is_cuda
             or not ops._use_cuda(g.suh, g.svh, down.suh, down.svh)):
         return None
-    x = ops.as_tensor(x)  # a pending norm runs as its own kernel at prefill, as on the plain path
-    if not ops._use_cuda(x):
-        return None
+    if not isinstance(x, ops.PendingNorm) or not x.fusable(in_f):
+        x = ops.as_tensor(x)
+        if not ops._use_cuda(x):
+            return None
     lead = x.shape[:-1]
-    z = ops._dense_group_sums(ops._kernel_rows(x, in_f), g)
+    z = ops._dense_group_sums(ops._member_inputs(x, g), g)  # a pending norm: in the members' input pass
     bg, bu = (None, None) if g.bias is None else (g.bias[:n], g.bias[n:])
     xh = ops.extension().gated_had128(z[:, :n], z[:, n:], ops._ACT_IDS[act], down.suh, g.svh[:n], g.svh[n:], bg, bu)
     out_f = down.trellis.shape[1] * 16
