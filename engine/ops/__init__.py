@@ -493,10 +493,8 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
             return [y[..., a:b] for a, b in g.bounds]
         x.x = x.x.value()
     if (isinstance(x, PendingNorm) and not fused and mode != "torch" and chain is None and g.trellis.is_cuda
-            and x.fusable(in_f) and _use_cuda(g.suh, g.svh)):  # a prefill: the norm in the members' input pass
-        lead, out_f = x.shape[:-1], g.trellis.shape[1] * 16
-        y = extension().had128(_dense_group_sums(_member_inputs(x, g), g), None, g.svh, g.bias).reshape(*lead, out_f)
-        return [y[..., a:b] for a, b in g.bounds]
+            and x.fusable(in_f) and _use_cuda(g.suh, g.svh)):
+        return _dense_group(x, g)  # a prefill: the norm in the members' input pass
     if isinstance(x, PendingNorm):
         if fused and x.fusable(in_f) and g.trellis.is_cuda:
             norm, x = x, x.x
@@ -507,23 +505,28 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     if mode == "torch" or not _use_cuda(x, g.suh, g.svh) or not g.trellis.is_cuda or (chain is not None and not fused):
         _no_chain(chain)
         return [_fmt.exl3_matmul_reference(x, t) for t in g.members]
+    if not fused:
+        return _dense_group(x, g)
     lead = x.shape[:-1]
-    x2 = _kernel_rows(x, in_f)
     out_f = g.trellis.shape[1] * 16
-    ext = extension()
-    cb = CODEBOOK_IDS[g.codebook]
-    if fused:
-        ws = workspace(x.device, min(rows, 32) * out_f)
-        leave_open = open_out and chain is None and _open.can_leave_open(rows, g, x.device)
-        counters = None if leave_open else block_counters(x.device, out_f // 128)
-        use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
-        y = ext.exl3_gemm(x2, g.suh, g.svh, g.trellis, g.bias, cb, ws, 0, int(use_i8), 3, counters, g.seg_cols,
-                          None, 0, *_norm_args(norm, in_f), [], *_chain_args(chain), [], None, leave_open)
-        if leave_open:
-            return _open.wrap(y, g.svh, g.bias, ws, g.bounds, tuple(lead), x.dtype)
-    else:
-        y = ext.had128(_dense_group_sums(_member_inputs(x2, g), g), None, g.svh, g.bias)
+    ws = workspace(x.device, min(rows, 32) * out_f)
+    leave_open = open_out and chain is None and _open.can_leave_open(rows, g, x.device)
+    counters = None if leave_open else block_counters(x.device, out_f // 128)
+    use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
+    y = extension().exl3_gemm(_kernel_rows(x, in_f), g.suh, g.svh, g.trellis, g.bias, CODEBOOK_IDS[g.codebook], ws, 0,
+                              int(use_i8), 3, counters, g.seg_cols, None, 0, *_norm_args(norm, in_f), [],
+                              *_chain_args(chain), [], None, leave_open)
+    if leave_open:
+        return _open.wrap(y, g.svh, g.bias, ws, g.bounds, tuple(lead), x.dtype)
     y = y.reshape(*lead, out_f)
+    return [y[..., a:b] for a, b in g.bounds]
+
+
+def _dense_group(x: "torch.Tensor | PendingNorm", g: EXL3Group) -> list[torch.Tensor]:
+    """exl3_gemm_group at prefill: the members' inputs, their products with the joined W-hat, and
+    the joined output transform, split into the members' outputs."""
+    y = extension().had128(_dense_group_sums(_member_inputs(x, g), g), None, g.svh, g.bias)
+    y = y.reshape(*x.shape[:-1], g.trellis.shape[1] * 16)
     return [y[..., a:b] for a, b in g.bounds]
 
 
