@@ -423,14 +423,11 @@ __device__ __forceinline__ void ht_out(const float v[32], const half* post, cons
 
 __device__ __forceinline__ const half* ht_at(const half* vec, int k) { return vec ? vec + k : nullptr; }
 
-__global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict__ in, int ld_in, const half* pre,
-                                                          half* __restrict__ out, int ld_out, const half* post,
-                                                          const half* bias, int rows) {
-    __shared__ __align__(16) HtTile t;
-    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+// One staged tile's transform (rows r0.., columns c0..): each thread's row quarter from the tile,
+// back into its own slots, then the tile out.
+__device__ __forceinline__ void had128_tile_work(HtTile& t, int r0, int c0, const half* pre, half* out, int ld_out,
+                                                 const half* post, const half* bias, int rows) {
     const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
-    ht_stage(t, in, ld_in, r0, c0, rows);
-    __syncthreads();
     half2 h[16];
     float v[32];
     ht_pairs(t, r, q, h);
@@ -439,6 +436,87 @@ __global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict
     ht_put_pairs(t, r, q, h);  // only this thread's own slots: no barrier before
     __syncthreads();
     ht_unstage(t, out, ld_out, r0, c0, rows);
+}
+
+__global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict__ in, int ld_in, const half* pre,
+                                                          half* __restrict__ out, int ld_out, const half* post,
+                                                          const half* bias, int rows) {
+    __shared__ __align__(16) HtTile t;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    ht_stage(t, in, ld_in, r0, c0, rows);
+    __syncthreads();
+    had128_tile_work(t, r0, c0, pre, out, ld_out, post, bias, rows);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plain transform's tiles with the next tile's load in flight. A block of the one-tile kernels
+// loads, waits, computes and stores in turn; ncu (session 18) found them neither at the DRAM's
+// bandwidth (27-45% of it) nor at the issue limit (46-70%), waiting on their loads with no other
+// work in flight. Here a resident block loops over tiles (grid = what fits at once) with two
+// buffers: it stages the next tile by cp.async while it transforms the current one. The work
+// per tile is the same function, so the bits are the same. Measured in a 4,096-token prefill:
+// 28.2 us a call against 35.0 (session 18). The normed transform looped the same way took 59.9
+// us against 59.0 (its loop needs 80 registers, 3 blocks per SM), so it keeps a block per tile.
+
+__device__ __forceinline__ void ht_stage_async(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
+    for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
+        const int r = c >> 4, j = (c & 15) * 8;
+        if (r0 + r < rows) {
+            const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&t.v[r][j]));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                         "l"(src + (size_t)(r0 + r) * ld + c0 + j)
+                         : "memory");
+        }
+    }
+    cp_async_commit();
+}
+
+// work(tile, r0, c0) for every tile of the [rows, n] source this block takes (tile b, b + grid,
+// ...; rows fastest), each staged while the one before it is worked on. A function of its own so
+// that another tile kernel can loop the same way.
+template <typename Work>
+__device__ __forceinline__ void ht_tile_loop(HtTile (&buf)[2], const half* src, int ld, int rows, int n, Work&& work) {
+    const int row_tiles = (rows + kHtRows - 1) / kHtRows, tiles = row_tiles * (n / 128);
+    int tile = blockIdx.x;
+    if (tile >= tiles) return;
+    ht_stage_async(buf[0], src, ld, (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128, rows);
+    for (int i = 0; tile < tiles; ++i, tile += gridDim.x) {
+        const int next = tile + gridDim.x;
+        __syncthreads();  // every thread is done with the buffer the next tile goes into
+        if (next < tiles) {
+            ht_stage_async(buf[(i + 1) & 1], src, ld, (next % row_tiles) * kHtRows, (next / row_tiles) * 128, rows);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // this tile's stage is in
+        work(buf[i & 1], (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128);
+    }
+}
+
+__global__ void __launch_bounds__(256) had128_tile_loop_kernel(const half* __restrict__ in, int ld_in, const half* pre,
+                                                               half* __restrict__ out, int ld_out, const half* post,
+                                                               const half* bias, int rows, int n) {
+    __shared__ __align__(16) HtTile buf[2];
+    ht_tile_loop(buf, in, ld_in, rows, n, [&](HtTile& t, int r0, int c0) {
+        had128_tile_work(t, r0, c0, pre, out, ld_out, post, bias, rows);
+    });
+}
+
+// Whether the plain tile transform loops with its next load in flight (set_had_pipeline; on by default).
+static bool& had_pipeline_flag() {
+    static bool v = true;
+    return v;
+}
+
+// Blocks of a looping tile kernel: as many as are resident at once, at most one per tile.
+template <typename Kernel>
+static unsigned ht_loop_blocks(Kernel kernel, int rows, int n) {
+    static int per_sm = 0;
+    if (!per_sm && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0) != cudaSuccess) per_sm = 1;
+    const long tiles = (long)((rows + kHtRows - 1) / kHtRows) * (n / 128);
+    const long resident = (long)(per_sm > 0 ? per_sm : 1) * current_device_attr<cudaDevAttrMultiProcessorCount>();
+    return (unsigned)(tiles < resident ? tiles : resident);
 }
 
 // gated_had128 in tiles; OPEN: gate and up are sums before gate/up's output transform.
@@ -490,6 +568,7 @@ static bool ht_aligned(std::initializer_list<const half*> ptrs, std::initializer
 static dim3 ht_grid(int rows, int n) { return dim3((unsigned)((rows + kHtRows - 1) / kHtRows), (unsigned)(n / 128)); }
 
 void set_had_tiles(bool enabled) { had_tiles_flag() = enabled; }
+void set_had_pipeline(bool enabled) { had_pipeline_flag() = enabled; }
 
 cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
                        const half* bias, int rows, int n, bool zero_input, cudaStream_t stream) {
@@ -503,7 +582,12 @@ cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const h
                        const half* post, const half* bias, int rows, int n, cudaStream_t stream) {
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
     if (ht_aligned({in, out, pre, post, bias}, {ld_in, ld_out})) {
-        had128_tile_kernel<<<ht_grid(rows, n), 256, 0, stream>>>(in, ld_in, pre, out, ld_out, post, bias, rows);
+        if (had_pipeline_flag()) {
+            had128_tile_loop_kernel<<<ht_loop_blocks(had128_tile_loop_kernel, rows, n), 256, 0, stream>>>(
+                in, ld_in, pre, out, ld_out, post, bias, rows, n);
+        } else {
+            had128_tile_kernel<<<ht_grid(rows, n), 256, 0, stream>>>(in, ld_in, pre, out, ld_out, post, bias, rows);
+        }
         return cudaGetLastError();
     }
     had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(HadRows<const half>{in, ld_in, pre, false}, out, ld_out,
@@ -668,16 +752,10 @@ __global__ void rms_inv_kernel(const half* __restrict__ x, const half* __restric
 // (the Llama-3.1-8B q/k/v: 10 row-sized passes against 7 here, counting the stats kernel's).
 // The normed values are rms_norm_kernel's (its roundings, inv from row_rms_inv) and each
 // member's transform is had128_tile_kernel's, so the bits are those of the passes it replaces.
-__global__ void __launch_bounds__(256) norm_had128_tile_kernel(const half* __restrict__ src, int ld,
-                                                               const float* __restrict__ inv, const half* w,
-                                                               const half* pre, int nm, int n,
-                                                               half* __restrict__ out, int rows) {
-    __shared__ __align__(16) HtTile t;
-    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+__device__ __forceinline__ void norm_had128_tile_work(const HtTile& t, int r0, int c0, const float* inv, const half* w,
+                                                      const half* pre, int nm, int n, half* out, int rows) {
     const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
     const bool live = r0 + r < rows;  // the others compute too: ht_transform's shuffles need all lanes
-    ht_stage(t, src, ld, r0, c0, rows);
-    __syncthreads();
     half2 h[16];
     ht_pairs(t, r, q, h);
     const float iv = live ? inv[r0 + r] : 0.f;
@@ -703,6 +781,17 @@ __global__ void __launch_bounds__(256) norm_had128_tile_kernel(const half* __res
                 dst[j] = make_uint4(as_u32(o[4 * j]), as_u32(o[4 * j + 1]), as_u32(o[4 * j + 2]), as_u32(o[4 * j + 3]));
         }
     }
+}
+
+__global__ void __launch_bounds__(256) norm_had128_tile_kernel(const half* __restrict__ src, int ld,
+                                                               const float* __restrict__ inv, const half* w,
+                                                               const half* pre, int nm, int n,
+                                                               half* __restrict__ out, int rows) {
+    __shared__ __align__(16) HtTile t;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    ht_stage(t, src, ld, r0, c0, rows);
+    __syncthreads();
+    norm_had128_tile_work(t, r0, c0, inv, w, pre, nm, n, out, rows);
 }
 
 cudaError_t norm_had128(const half* x, const half* residual, half* residual_out, const half* w, float eps,

@@ -243,10 +243,11 @@ def test_hadamard_kernel_matches_reference():
     assert rel_rms(ops.hadamard128(got), x.float()) < 2e-3
 
 
-@pytest.mark.parametrize("rows,n", [(1, 128), (3, 384), (37, 4096), (4096, 640)])
+@pytest.mark.parametrize("rows,n", [(1, 128), (3, 384), (37, 4096), (4096, 640), (8200, 4096)])
 def test_hadamard_kernels_tiles_warps_and_scales(rows, n):
     """The Hadamard kernels against the torch steps they stand for: fp16 with pre, post and bias
-    in 64-row tiles (the default; row counts that end inside a tile), the same bits from the warp
+    in 64-row tiles (the default: resident blocks looping over tiles, several each at 8,200 x 4,096;
+    row counts that end inside a tile), the same bits from a block per tile and from the warp
     kernel (several tasks per warp, counts that end inside a warp), and fp32 input (a product's
     workspace), which the warp kernel takes."""
     x = torch.randn(rows, n, device=DEV).half()
@@ -255,11 +256,14 @@ def test_hadamard_kernels_tiles_warps_and_scales(rows, n):
     got = ext.had128(x, pre, post, bias)
     xh = fmt.hadamard128((x * pre).float()).half()
     assert rel_rms(got, xh * post + bias) < 1e-3
-    try:  # 64-row tiles (the default) and a warp per 128-block: the same butterflies, the same bits
+    try:  # the tiles looping or one per block, and a warp per 128-block: the same butterflies, the same bits
+        ext.set_had_pipeline(False)
+        assert torch.equal(ext.had128(x, pre, post, bias), got)
         ext.set_had_tiles(False)
         assert torch.equal(ext.had128(x, pre, post, bias), got)
     finally:
         ext.set_had_tiles(ops.HAD_TILES)
+        ext.set_had_pipeline(ops.HAD_PIPELINE)
     z = torch.randn(rows, n, device=DEV)
     want = fmt.hadamard128(z).half() * post
     assert rel_rms(ext.had128(z, None, post, None), want) < 1e-3
@@ -610,7 +614,7 @@ def test_norm_had128_is_rms_norm_then_had128_per_member(with_residual):
     tiles (row counts that end inside a tile), and through its fallback where the tile kernels are
     off or x does not start 16-byte aligned."""
     ext = ops.extension()
-    for rows, n, members in ((1, 128, 1), (63, 512, 3), (130, 4096, 2), (65, 1024, 4)):
+    for rows, n, members in ((1, 128, 1), (63, 512, 3), (130, 4096, 2), (65, 1024, 4), (4100, 4096, 3)):
         x = torch.randn(rows, n, device=DEV).half() * 3
         r = torch.randn(rows, n, device=DEV).half() if with_residual else None
         w = (torch.rand(n, device=DEV) + 0.5).half()
