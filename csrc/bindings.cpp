@@ -758,7 +758,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
     m.def("set_had_tiles", &trellis::set_had_tiles, "fp16 Hadamards in 64-row tiles (default) or a warp per block");
-    m.def("set_had_pipeline", &trellis::set_had_pipeline, "the plain tile Hadamard looping with the next load in flight (default) or one tile per block");
+    m.def("set_had_pipeline", &trellis::set_had_pipeline, "the plain and gated tile Hadamards looping with the next loads in flight (default) or one tile per block");
     m.def("gated_had128", &gated_had128, "had128(act(gate) * up, pre): a gated MLP's down projection input at prefill",
           py::arg("gate"), py::arg("up"), py::arg("act"), py::arg("pre"), py::arg("svh_gate") = py::none(),
           py::arg("svh_up") = py::none(), py::arg("bias_gate") = py::none(), py::arg("bias_up") = py::none());

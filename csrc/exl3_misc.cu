@@ -403,12 +403,11 @@ __device__ __forceinline__ void ht_transform(const half2 h[16], const half* pre,
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int s = 1; s < 4; s <<= 1) {
-        const bool upper = lane & s;
+        // upper ? p - v : v + p as one FFMA (p + sign * v, exact but for its one rounding, so the
+        // same bits): the select form compiled to an FSEL and an FADD per value.
+        const float sign = lane & s ? -1.f : 1.f;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const float p = __shfl_xor_sync(0xffffffffu, v[i], s);
-            v[i] = upper ? p - v[i] : v[i] + p;
-        }
+        for (int i = 0; i < 32; ++i) v[i] = fmaf(sign, v[i], __shfl_xor_sync(0xffffffffu, v[i], s));
     }
 }
 
@@ -449,15 +448,17 @@ __global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
-// The plain transform's tiles with the next tile's load in flight. A block of the one-tile kernels
-// loads, waits, computes and stores in turn; ncu (session 18) found them neither at the DRAM's
-// bandwidth (27-45% of it) nor at the issue limit (46-70%), waiting on their loads with no other
-// work in flight. Here a resident block loops over tiles (grid = what fits at once) with two
-// buffers: it stages the next tile by cp.async while it transforms the current one. The work
-// per tile is the same function, so the bits are the same. Measured in a 4,096-token prefill:
-// 28.2 us a call against 35.0 (session 18). The normed transform looped the same way took 59.9
-// us against 59.0 (its loop needs 80 registers, 3 blocks per SM), so it keeps a block per tile.
+// The tile kernels with the next tile's loads in flight (the plain and the gated transform). A
+// block of the one-tile kernels loads, waits, computes and stores in turn; ncu (session 18) found
+// them neither at the DRAM's bandwidth (27-45% of it) nor at the issue limit (46-70%), waiting on
+// their loads with no other work in flight. Here a resident block loops over tiles (grid = what
+// fits at once) with two buffers: it stages the next tile by cp.async while it transforms the
+// current one. The work per tile is the same function, so the bits are the same. Measured in a
+// 4,096-token prefill, the plain transform: 28.2 us a call against 35.0 (session 18). The normed
+// transform looped the same way took 59.9 us against 59.0 (its loop needs 80 registers, 3 blocks
+// per SM), so it keeps a block per tile.
 
+// Rows [r0, r0 + 64) x columns [c0, c0 + 128) of src into t by cp.async (no commit).
 __device__ __forceinline__ void ht_stage_async(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
     for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
         const int r = c >> 4, j = (c & 15) * 8;
@@ -468,29 +469,35 @@ __device__ __forceinline__ void ht_stage_async(HtTile& t, const half* src, int l
                          : "memory");
         }
     }
-    cp_async_commit();
 }
 
-// work(tile, r0, c0) for every tile of the [rows, n] source this block takes (tile b, b + grid,
-// ...; rows fastest), each staged while the one before it is worked on. A function of its own so
-// that another tile kernel can loop the same way.
-template <typename Work>
-__device__ __forceinline__ void ht_tile_loop(HtTile (&buf)[2], const half* src, int ld, int rows, int n, Work&& work) {
+// work(tiles, r0, c0) for every tile position of the [rows, n] sources this block takes (b,
+// b + grid, ...; rows fastest), each position's NSRC tiles staged while the previous position is
+// worked on. buf: 2 x NSRC tiles, stage s's tiles at buf + s * NSRC.
+template <int NSRC, typename Work>
+__device__ __forceinline__ void ht_tile_loop(HtTile* buf, const half* const (&src)[NSRC], const int (&ld)[NSRC],
+                                             int rows, int n, Work&& work) {
     const int row_tiles = (rows + kHtRows - 1) / kHtRows, tiles = row_tiles * (n / 128);
+    auto stage = [&](int tile, HtTile* to) {
+#pragma unroll
+        for (int j = 0; j < NSRC; ++j)
+            ht_stage_async(to[j], src[j], ld[j], (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128, rows);
+        cp_async_commit();
+    };
     int tile = blockIdx.x;
     if (tile >= tiles) return;
-    ht_stage_async(buf[0], src, ld, (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128, rows);
+    stage(tile, buf);
     for (int i = 0; tile < tiles; ++i, tile += gridDim.x) {
         const int next = tile + gridDim.x;
-        __syncthreads();  // every thread is done with the buffer the next tile goes into
+        __syncthreads();  // every thread is done with the buffers the next tiles go into
         if (next < tiles) {
-            ht_stage_async(buf[(i + 1) & 1], src, ld, (next % row_tiles) * kHtRows, (next / row_tiles) * 128, rows);
+            stage(next, buf + ((i + 1) & 1) * NSRC);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
-        __syncthreads();  // this tile's stage is in
-        work(buf[i & 1], (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128);
+        __syncthreads();  // this position's tiles are in
+        work(buf + (i & 1) * NSRC, (tile % row_tiles) * kHtRows, (tile / row_tiles) * 128);
     }
 }
 
@@ -498,40 +505,38 @@ __global__ void __launch_bounds__(256) had128_tile_loop_kernel(const half* __res
                                                                half* __restrict__ out, int ld_out, const half* post,
                                                                const half* bias, int rows, int n) {
     __shared__ __align__(16) HtTile buf[2];
-    ht_tile_loop(buf, in, ld_in, rows, n, [&](HtTile& t, int r0, int c0) {
-        had128_tile_work(t, r0, c0, pre, out, ld_out, post, bias, rows);
+    const half* src[1] = {in};
+    const int ld[1] = {ld_in};
+    ht_tile_loop<1>(buf, src, ld, rows, n, [&](HtTile* t, int r0, int c0) {
+        had128_tile_work(*t, r0, c0, pre, out, ld_out, post, bias, rows);
     });
 }
 
-// Whether the plain tile transform loops with its next load in flight (set_had_pipeline; on by default).
+// Whether the plain and gated tile transforms loop with their next loads in flight
+// (set_had_pipeline; on by default).
 static bool& had_pipeline_flag() {
     static bool v = true;
     return v;
 }
 
 // Blocks of a looping tile kernel: as many as are resident at once, at most one per tile.
+// per_sm: the caller's cache of the kernel's resident blocks per SM (0: not asked yet).
 template <typename Kernel>
-static unsigned ht_loop_blocks(Kernel kernel, int rows, int n) {
-    static int per_sm = 0;
-    if (!per_sm && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0) != cudaSuccess) per_sm = 1;
+static unsigned ht_loop_blocks(Kernel kernel, int rows, int n, size_t smem, int& per_sm) {
+    if (!per_sm && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem) != cudaSuccess) per_sm = 1;
     const long tiles = (long)((rows + kHtRows - 1) / kHtRows) * (n / 128);
     const long resident = (long)(per_sm > 0 ? per_sm : 1) * current_device_attr<cudaDevAttrMultiProcessorCount>();
     return (unsigned)(tiles < resident ? tiles : resident);
 }
 
-// gated_had128 in tiles; OPEN: gate and up are sums before gate/up's output transform.
+// gated_had128's work on one staged tile pair; OPEN: gate and up are sums before gate/up's output
+// transform. The result goes back into tg's thread-own slots and out from there.
 template <bool OPEN>
-__global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __restrict__ gate, int ld_gate,
-                                                                const half* __restrict__ up, int ld_up, int act,
-                                                                const half* pre, half* __restrict__ out, int ld_out,
-                                                                int rows, const half* svh_gate, const half* svh_up,
-                                                                const half* bias_gate, const half* bias_up) {
-    __shared__ __align__(16) HtTile tg, tu;
-    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+__device__ __forceinline__ void gated_had128_tile_work(HtTile& tg, const HtTile& tu, int r0, int c0, int act,
+                                                       const half* pre, half* out, int ld_out, int rows,
+                                                       const half* svh_gate, const half* svh_up,
+                                                       const half* bias_gate, const half* bias_up) {
     const int r = threadIdx.x >> 2, q = threadIdx.x & 3, k = c0 + 32 * q;
-    ht_stage(tg, gate, ld_gate, r0, c0, rows);
-    ht_stage(tu, up, ld_up, r0, c0, rows);
-    __syncthreads();
     half2 g[16], u[16];
     ht_pairs(tg, r, q, g);
     ht_pairs(tu, r, q, u);
@@ -553,6 +558,38 @@ __global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __re
     ht_put_pairs(tg, r, q, g);
     __syncthreads();
     ht_unstage(tg, out, ld_out, r0, c0, rows);
+}
+
+template <bool OPEN>
+__global__ void __launch_bounds__(256) gated_had128_tile_kernel(const half* __restrict__ gate, int ld_gate,
+                                                                const half* __restrict__ up, int ld_up, int act,
+                                                                const half* pre, half* __restrict__ out, int ld_out,
+                                                                int rows, const half* svh_gate, const half* svh_up,
+                                                                const half* bias_gate, const half* bias_up) {
+    __shared__ __align__(16) HtTile tg, tu;
+    const int r0 = blockIdx.x * kHtRows, c0 = blockIdx.y * 128;
+    ht_stage(tg, gate, ld_gate, r0, c0, rows);
+    ht_stage(tu, up, ld_up, r0, c0, rows);
+    __syncthreads();
+    gated_had128_tile_work<OPEN>(tg, tu, r0, c0, act, pre, out, ld_out, rows, svh_gate, svh_up, bias_gate, bias_up);
+}
+
+// The same with the next tile pair's loads in flight (ht_tile_loop); 4 tiles of shared memory, so
+// dynamic (69.6 KB).
+template <bool OPEN>
+__global__ void __launch_bounds__(256) gated_had128_tile_loop_kernel(const half* __restrict__ gate, int ld_gate,
+                                                                     const half* __restrict__ up, int ld_up, int act,
+                                                                     const half* pre, half* __restrict__ out,
+                                                                     int ld_out, int rows, int n,
+                                                                     const half* svh_gate, const half* svh_up,
+                                                                     const half* bias_gate, const half* bias_up) {
+    extern __shared__ __align__(16) HtTile gbuf[];
+    const half* src[2] = {gate, up};
+    const int ld[2] = {ld_gate, ld_up};
+    ht_tile_loop<2>(gbuf, src, ld, rows, n, [&](HtTile* t, int r0, int c0) {
+        gated_had128_tile_work<OPEN>(t[0], t[1], r0, c0, act, pre, out, ld_out, rows, svh_gate, svh_up, bias_gate,
+                                     bias_up);
+    });
 }
 
 // Whether the tile kernels take these: tiles on (set_had_tiles), every row start and vector
@@ -583,7 +620,8 @@ cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const h
     if (n % 128 || rows < 1) return cudaErrorInvalidValue;
     if (ht_aligned({in, out, pre, post, bias}, {ld_in, ld_out})) {
         if (had_pipeline_flag()) {
-            had128_tile_loop_kernel<<<ht_loop_blocks(had128_tile_loop_kernel, rows, n), 256, 0, stream>>>(
+            static int per_sm = 0;
+            had128_tile_loop_kernel<<<ht_loop_blocks(had128_tile_loop_kernel, rows, n, 0, per_sm), 256, 0, stream>>>(
                 in, ld_in, pre, out, ld_out, post, bias, rows, n);
         } else {
             had128_tile_kernel<<<ht_grid(rows, n), 256, 0, stream>>>(in, ld_in, pre, out, ld_out, post, bias, rows);
@@ -600,6 +638,16 @@ cudaError_t gated_had128(const half* gate, int ld_gate, const half* up, int ld_u
                          const half* bias_gate, const half* bias_up, cudaStream_t stream) {
     if (n % 128 || rows < 1 || act < 0 || act > 2 || !svh_gate != !svh_up) return cudaErrorInvalidValue;
     if (ht_aligned({gate, up, pre, out, svh_gate, svh_up, bias_gate, bias_up}, {ld_gate, ld_up, ld_out})) {
+        if (had_pipeline_flag()) {
+            auto* kernel = svh_gate ? gated_had128_tile_loop_kernel<true> : gated_had128_tile_loop_kernel<false>;
+            constexpr size_t smem = 4 * sizeof(HtTile);
+            const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+            if (e != cudaSuccess) return e;
+            static int per_sm[2] = {0, 0};
+            kernel<<<ht_loop_blocks(kernel, rows, n, smem, per_sm[svh_gate != nullptr]), 256, smem, stream>>>(
+                gate, ld_gate, up, ld_up, act, pre, out, ld_out, rows, n, svh_gate, svh_up, bias_gate, bias_up);
+            return cudaGetLastError();
+        }
         auto* kernel = svh_gate ? gated_had128_tile_kernel<true> : gated_had128_tile_kernel<false>;
         kernel<<<ht_grid(rows, n), 256, 0, stream>>>(gate, ld_gate, up, ld_up, act, pre, out, ld_out, rows, svh_gate,
                                                      svh_up, bias_gate, bias_up);

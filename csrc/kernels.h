@@ -166,8 +166,8 @@ cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const h
 // (the form before session 17, now with 4 blocks per warp; a benchmark baseline). The same bits
 // either way.
 void set_had_tiles(bool enabled);
-// Whether the plain tile Hadamard (had128_f16) loops over tiles with the next one's load in flight
-// (on by default) or takes one tile per block (the same bits).
+// Whether the plain and gated tile Hadamards (had128_f16, gated_had128) loop over tiles with the
+// next one's loads in flight (on by default) or take one tile per block (the same bits).
 void set_had_pipeline(bool enabled);
 // out[rows, n] = had128_f16 of act(gate) * up (gated_act's rounding) with pre: a gated MLP's down
 // projection input at prefill, without the gated product going through memory. With svh_gate and

@@ -273,11 +273,12 @@ def test_hadamard_kernels_tiles_warps_and_scales(rows, n):
 def test_gated_had128_is_gated_act_then_had128(act):
     """The prefill's down-projection input in one pass (act(gate) * up, times suh, Hadamard) gives
     the bits of gated_act and then had128, for gate and up as column views of one output; also
-    in the open form (gate/up's own output transform first), and where rows start misaligned for
-    the tile kernel (the warp kernel takes them)."""
+    in the open form (gate/up's own output transform first), with a block per tile instead of
+    resident blocks looping over tiles (several each at 2,100 x 2,048), and where rows start
+    misaligned for the tile kernel (the warp kernel takes them)."""
     ext = ops.extension()
     a = ops._ACT_IDS[act]
-    for rows, n in ((1, 128), (5, 384), (300, 1024)):
+    for rows, n in ((1, 128), (5, 384), (300, 1024), (2100, 2048)):
         gu = torch.randn(rows, 2 * n, device=DEV).half() * 3
         gate, up = gu[:, :n], gu[:, n:]
         suh = torch.randn(n, device=DEV).half()
@@ -288,7 +289,14 @@ def test_gated_had128_is_gated_act_then_had128(act):
         svh_g, svh_u, b_g, b_u = (torch.randn(n, device=DEV).half() for _ in range(4))
         fin_g, fin_u = ext.had128(gate.contiguous(), None, svh_g, b_g), ext.had128(up.contiguous(), None, svh_u, b_u)
         want_open = ext.had128(ops.gated_act(fin_g, fin_u, act), suh, None, None)
-        assert torch.equal(ext.gated_had128(gate, up, a, suh, svh_g, svh_u, b_g, b_u), want_open), (rows, n)
+        got_open = ext.gated_had128(gate, up, a, suh, svh_g, svh_u, b_g, b_u)
+        assert torch.equal(got_open, want_open), (rows, n)
+        try:
+            ext.set_had_pipeline(False)
+            assert torch.equal(ext.gated_had128(gate, up, a, suh), got), (rows, n)
+            assert torch.equal(ext.gated_had128(gate, up, a, suh, svh_g, svh_u, b_g, b_u), got_open), (rows, n)
+        finally:
+            ext.set_had_pipeline(ops.HAD_PIPELINE)
         # rows that start 8 but not 16 bytes aligned take the warp kernel: the same bits
         wide = torch.zeros(rows, 2 * n + 8, device=DEV).half()
         wide[:, 4:4 + 2 * n] = gu

@@ -83,8 +83,8 @@ ATTN_ONE_LOAD_SPLITS = int(os.environ.get("TRELLIS_ATTN_ONE_LOAD_SPLITS", "10") 
 # fp16 Hadamards (the prefill's input and output transforms) run in 64-row tiles in shared memory
 # (TRELLIS_HAD_TILES=0: a warp per 128-block, as before session 17; the same bits).
 HAD_TILES = os.environ.get("TRELLIS_HAD_TILES", "1") != "0"
-# ... the plain transform's resident blocks looping over tiles with the next one's load in flight
-# (TRELLIS_HAD_PIPELINE=0: a block per tile, as before session 18; the same bits).
+# ... the plain and gated transforms' resident blocks looping over tiles with the next one's loads
+# in flight (TRELLIS_HAD_PIPELINE=0: a block per tile, as before session 18; the same bits).
 HAD_PIPELINE = os.environ.get("TRELLIS_HAD_PIPELINE", "1") != "0"
 
 # A grouped prefill product's norm and member input transforms in two kernels (norm_had128: the
