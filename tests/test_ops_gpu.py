@@ -646,8 +646,9 @@ def test_norm_had128_is_rms_norm_then_had128_per_member(with_residual):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_prefill_group_takes_the_norm_in_its_input_pass(with_residual, monkeypatch):
     """At prefill a grouped product (q/k/v) and the gated MLP (gate/up -> down) reading a pending
-    norm compute it in their members' input pass: the same bits as from the norm kernel's output,
-    as with TRELLIS_NORM_HAD=0, and x + residual recorded bit for bit."""
+    norm compute it in their members' input pass (norm_had128's kernel runs; with
+    TRELLIS_NORM_HAD=0 it does not): the same bits as from the norm kernel's output either way, and
+    x + residual recorded bit for bit."""
     members = [rand_layer(512, n, 4, "mul1", seed=700 + i) for i, n in enumerate((384, 128, 128))]
     g = ops.join_linears(members)
     gate, up = (rand_layer(512, 384, 4, "mul1", seed=710 + i) for i in range(2))
@@ -661,6 +662,8 @@ def test_prefill_group_takes_the_norm_in_its_input_pass(with_residual, monkeypat
     want_mlp = ops.dense_gated_mlp(h, gu, down, "silu", 384, 512)
     for norm_had in (True, False):
         monkeypatch.setattr(ops, "NORM_HAD", norm_had)
+        ran = kernels_run(lambda: ops.exl3_gemm_group(ops.PendingNorm(x, w, 1e-5, r), g), "norm_had128")
+        assert bool(ran) == norm_had, ran
         p = ops.PendingNorm(x, w, 1e-5, r)
         got = ops.exl3_gemm_group(p, g)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), norm_had
