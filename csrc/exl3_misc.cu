@@ -349,22 +349,28 @@ struct HtTile {
     half v[kHtRows][kHtStride];
 };
 
-// Rows [r0, r0 + 64) (those below `rows`) x columns [c0, c0 + 128) of src into the tile.
-__device__ __forceinline__ void ht_stage(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
+// f(r, j) for every 16-byte chunk (tile row r, columns j .. j + 7) of a tile whose row r0 + r is
+// below `rows`, spread over the block's threads: the one walk the staging copies share.
+template <typename F>
+__device__ __forceinline__ void ht_chunks(int r0, int rows, F&& f) {
     for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
         const int r = c >> 4, j = (c & 15) * 8;
-        if (r0 + r < rows)
-            *reinterpret_cast<uint4*>(&t.v[r][j]) = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * ld + c0 + j);
+        if (r0 + r < rows) f(r, j);
     }
+}
+
+// Rows [r0, r0 + 64) (those below `rows`) x columns [c0, c0 + 128) of src into the tile.
+__device__ __forceinline__ void ht_stage(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
+    ht_chunks(r0, rows, [&](int r, int j) {
+        *reinterpret_cast<uint4*>(&t.v[r][j]) = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * ld + c0 + j);
+    });
 }
 
 // The tile back out to rows [r0, r0 + 64) x columns [c0, c0 + 128) of dst.
 __device__ __forceinline__ void ht_unstage(const HtTile& t, half* dst, int ld, int r0, int c0, int rows) {
-    for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
-        const int r = c >> 4, j = (c & 15) * 8;
-        if (r0 + r < rows)
-            *reinterpret_cast<uint4*>(dst + (size_t)(r0 + r) * ld + c0 + j) = *reinterpret_cast<const uint4*>(&t.v[r][j]);
-    }
+    ht_chunks(r0, rows, [&](int r, int j) {
+        *reinterpret_cast<uint4*>(dst + (size_t)(r0 + r) * ld + c0 + j) = *reinterpret_cast<const uint4*>(&t.v[r][j]);
+    });
 }
 
 // A thread's 16 pairs of its row (columns 32 q .. 32 q + 31 of the block).
@@ -458,17 +464,9 @@ __global__ void __launch_bounds__(256) had128_tile_kernel(const half* __restrict
 // the gated one 220.4 against 235.8. The normed transform looped the same way took 59.9 us against
 // 59.0 (its loop needs 80 registers, 3 blocks per SM), so it keeps a block per tile.
 
-// Rows [r0, r0 + 64) x columns [c0, c0 + 128) of src into t by cp.async (no commit).
+// ht_stage by cp.async (no commit).
 __device__ __forceinline__ void ht_stage_async(HtTile& t, const half* src, int ld, int r0, int c0, int rows) {
-    for (int c = threadIdx.x; c < kHtRows * 16; c += blockDim.x) {
-        const int r = c >> 4, j = (c & 15) * 8;
-        if (r0 + r < rows) {
-            const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&t.v[r][j]));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
-                         "l"(src + (size_t)(r0 + r) * ld + c0 + j)
-                         : "memory");
-        }
-    }
+    ht_chunks(r0, rows, [&](int r, int j) { cp_async16(&t.v[r][j], src + (size_t)(r0 + r) * ld + c0 + j); });
 }
 
 // work(tiles, r0, c0) for every tile position of the [rows, n] sources this block takes (b,
