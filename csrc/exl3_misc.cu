@@ -510,8 +510,13 @@ __global__ void __launch_bounds__(256) had128_tile_loop_kernel(const half* __res
     });
 }
 
-// Whether the plain and gated tile transforms loop with their next loads in flight
-// (set_had_pipeline; on by default).
+// Whether fp16 Hadamards (prefill) run in 64-row tiles where aligned (set_had_tiles; on by
+// default), and whether the plain and gated tile transforms then loop with their next loads in
+// flight (set_had_pipeline; on by default).
+static bool& had_tiles_flag() {
+    static bool v = true;
+    return v;
+}
 static bool& had_pipeline_flag() {
     static bool v = true;
     return v;

@@ -160,12 +160,6 @@ inline int& gemv_shared_acts() {
     return v;
 }
 
-// Whether fp16 Hadamards (prefill) run in 64-row tiles (had128_tile_kernel) where aligned.
-inline bool& had_tiles_flag() {
-    static bool v = true;
-    return v;
-}
-
 // Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
 inline int& gemv_finish_rows() {
     static int v = 8;
