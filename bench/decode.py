@@ -39,6 +39,10 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               cuda-graph-sample: cuda-graph-sample+torchtopk)
   cuda-graph-attnmerge2  decode attention merging its splits' partials in two passes (the max,
               then the sums), as before session 15
+  cuda-graph-attnmmaN  decode attention walking its keys on the tensor cores from spans of N slots
+              (shipped: 1, every span; attnmma0: never, the scalar walk of before session 19)
+  cuda-graph-attnmmaonesplitN  the tensor-core walk taking one split for spans of at most N slots
+              (shipped: 256; attnmmaonesplit0: a split per 16 keys of each warp from the start)
   cuda-graph-attnoneloadN  decode attention giving each warp one load of 16 keys while that takes
               at most N splits (shipped: 10; attnoneload0: about 32 keys per warp always, as
               before session 16)
@@ -332,6 +336,8 @@ def main(argv=None) -> int:
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
+            ops.extension().set_attn_mma_slots(pick_number("attnmma", ops.ATTN_MMA_SLOTS))
+            ops.extension().set_attn_mma_one_split(pick_number("attnmmaonesplit", 256))
             ops.extension().set_attn_one_load_splits(pick_number("attnoneload", ops.ATTN_ONE_LOAD_SPLITS))
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:

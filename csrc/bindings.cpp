@@ -653,7 +653,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     auto out = torch::empty({B, H, 1, D}, q.options());
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     a.B = (int)B, a.Hkv = (int)Hkv, a.G = (int)(H / Hkv), a.S = (int)S, a.D = (int)D;
-    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms);
+    a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
+    a.k = hptr(k), a.v = hptr(v);
+    a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
+    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_takes_mma(a));
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
                     counters.numel() >= trellis::decode_attention_counters(a.B, a.Hkv, a.G),
                 "decode_attention: too few counters");
@@ -661,9 +664,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     torch::Tensor ws;
     const size_t ws_floats = trellis::decode_attention_ws_floats(a.B, a.Hkv, a.G, a.D, a.n_split);
     if (ws_floats > 0) ws = torch::empty({(int64_t)ws_floats}, q.options().dtype(torch::kFloat));
-    a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
-    a.k = hptr(k), a.v = hptr(v);
-    a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
     a.out = hptr_mut(out), a.o_b = (long)(H * D), a.o_h = (long)D;
     a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
@@ -747,6 +747,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
     m.def("set_attn_one_load_splits", &trellis::set_attn_one_load_splits,
           "decode attention takes one load of 16 keys per warp while that needs at most this many splits (default 10; 0: never)");
+    m.def("set_attn_mma_slots", &trellis::set_attn_mma_slots,
+          "decode attention (D = 64 or 128) walks its keys on the tensor cores from spans of this many slots (default 1: all; 0: never)");
+    m.def("set_attn_mma_one_split", &trellis::set_attn_mma_one_split,
+          "the tensor-core walk takes one split for spans of at most this many slots (default 256; 0: never)");
     m.def("set_attn_merge_online", &trellis::set_attn_merge_online,
           "decode attention merges its splits in one pass with a running max (default) or max first, then sums");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");

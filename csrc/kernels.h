@@ -321,7 +321,15 @@ struct DecodeAttnArgs {
     const half* sin = nullptr;
     const int64_t* pos = nullptr;
 };
-int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms);
+// mma: the tensor-core key walk serves the call (decode_attention_takes_mma), one block per SM.
+int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma = false);
+// Whether a call takes the tensor-core key walk: D = 64 or 128, 16-byte aligned rows, a span of at
+// least set_attn_mma_slots() slots (default 1: all; 0 never).
+bool decode_attention_takes_mma(const DecodeAttnArgs& a);
+void set_attn_mma_slots(int slots);
+// The tensor-core walk takes one split (no merge) for spans of at most this many slots (default
+// 256: two steps of 16 keys per warp, both fetched by its prologue; 0 never).
+void set_attn_mma_one_split(int slots);
 // Short caches take a split per 16 keys per warp (one load) while that is at most `splits` splits
 // (default 10); 0: about 32 keys per warp always (before session 16).
 void set_attn_one_load_splits(int splits);

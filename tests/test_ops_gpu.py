@@ -728,34 +728,38 @@ def _attention_reference(q, k, v, mask):
 
 @pytest.mark.parametrize("S", [700, 4100, 9000])
 def test_decode_attention_merges_its_splits_in_one_pass_as_in_two(S):
-    """Several splits (700 slots: 3; 4100: 17; 9000: 33 at one sequence of 8 kv heads, over one or
-    more batches of 8 partials) merge in one pass with a running max; the previous merge (the max
-    first, then the sums) gives the same output up to fp32 rounding, with splits whose keys are
-    all masked among them (the window hides the head of the cache)."""
+    """Several splits (scalar walk, 8 kv heads: 700 slots 3, 4100 17, 9000 33; tensor-core walk:
+    6, 16, 16; one or more batches of 8 partials) merge in one pass with a running max; the
+    previous merge (the max first, then the sums) gives the same output up to fp32 rounding, with
+    splits whose keys are all masked among them (the window hides the head of the cache)."""
     q, k, v, window = _split_attention_case(S, seed=S)
     scale = q.shape[-1] ** -0.5
     ext = ops.extension()
     try:
-        for mask in (None, window):
+        for mma_slots, mask in itertools.product((0, 1), (None, window)):
+            ext.set_attn_mma_slots(mma_slots)
             ext.set_attn_merge_online(True)
             one = ops.decode_attention(q, k, v, mask, scale)
             ext.set_attn_merge_online(False)
             two = ops.decode_attention(q, k, v, mask, scale)
             want = _attention_reference(q, k, v, mask)
-            assert rel_rms(one, want) < 2e-3 and rel_rms(two, want) < 2e-3
-            assert rel_rms(one, two) < 1e-3
+            assert rel_rms(one, want) < 2e-3 and rel_rms(two, want) < 2e-3, mma_slots
+            assert rel_rms(one, two) < 1e-3, mma_slots
     finally:
         ext.set_attn_merge_online(ops.ATTN_MERGE_ONLINE)
+        ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
 
 
 @pytest.mark.parametrize("S", [256, 1000, 1280, 2100, 4100])
 def test_decode_attention_one_load_splits_match_reference(S):
-    """Splits of one 16-key load per warp (set_attn_one_load_splits: never, the shipped limit,
-    always up to the cap) give the reference's attention, with and without a window that leaves
-    whole splits masked."""
+    """The scalar walk's splits of one 16-key load per warp (set_attn_one_load_splits: never, the
+    shipped limit, always up to the cap) give the reference's attention, with and without a window
+    that leaves whole splits masked. (Head dim 128 takes the tensor-core walk by default; the
+    scalar one is switched on here.)"""
     q, k, v, window = _split_attention_case(S, seed=S + 3)
     scale = q.shape[-1] ** -0.5
     ext = ops.extension()
+    ext.set_attn_mma_slots(0)
     try:
         for limit in (0, 10, 64):
             ext.set_attn_one_load_splits(limit)
@@ -764,6 +768,48 @@ def test_decode_attention_one_load_splits_match_reference(S):
                 assert rel_rms(got, _attention_reference(q, k, v, mask)) < 2e-3, limit
     finally:
         ext.set_attn_one_load_splits(ops.ATTN_ONE_LOAD_SPLITS)
+        ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
+
+
+@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2), (128, 28, 4, 2), (128, 8, 8, 1), (64, 14, 2, 1)])
+@pytest.mark.parametrize("S", [1, 9, 16, 17, 256, 1300, 9000, 33000])
+def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
+    """Decode attention walking its keys on the tensor cores (set_attn_mma_slots(1), the default)
+    gives the reference's attention and the scalar walk's up to rounding (its probabilities enter
+    the MMA as fp16): one split (spans up to 256, unless set_attn_mma_one_split(0)) or many, steps past a warp's
+    last key (rows that read nothing), head groups of 1 to 7 heads (a partial block of 4), a window
+    that leaves whole splits masked, a per-sequence mask, and rows that are not 16-byte aligned
+    (then it declines: the scalar walk's result exactly)."""
+    g = torch.Generator(device=DEV).manual_seed(S + D + H)
+    k = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
+    v = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
+    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
+    scale = D ** -0.5
+    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    window[:, : S // 2] = float("-inf")
+    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
+    per_row[-1, S // 3 + 1:] = float("-inf")
+    ext = ops.extension()
+    try:
+        for one_split, mask in itertools.product((256, 0), (None, window, per_row)):
+            ext.set_attn_mma_one_split(one_split)  # 0: spans up to 256 slots in several splits too
+            ext.set_attn_mma_slots(1)
+            mma = ops.decode_attention(q, k, v, mask, scale)
+            ext.set_attn_mma_slots(0)
+            scalar = ops.decode_attention(q, k, v, mask, scale)
+            want = _attention_reference(q, k, v, mask)
+            assert rel_rms(mma, want) < 2e-3 and rel_rms(scalar, want) < 2e-3, (one_split, mask is None)
+            assert rel_rms(mma, scalar) < 1e-3, (one_split, mask is None)
+        # Rows 8 bytes off a 16-byte boundary (the binding wants D / 32 halves): the scalar walk.
+        base = torch.randn(B * Hkv * (S + 1) * D + 8, generator=g, device=DEV).half()
+        odd = base[4:4 + B * Hkv * S * D].view(B, Hkv, S, D)
+        ext.set_attn_mma_slots(1)
+        a = ops.decode_attention(q, odd, odd, None, scale)
+        ext.set_attn_mma_slots(0)
+        assert a is not None and torch.equal(a, ops.decode_attention(q, odd, odd, None, scale))
+    finally:
+        ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
+        ext.set_attn_mma_one_split(256)
 
 
 def test_argmax_kernel_is_torch_argmax():

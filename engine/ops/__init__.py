@@ -75,6 +75,11 @@ SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 # then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
 ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
 
+# Decode attention (head dim 64 or 128) walks its keys on the tensor cores, through shared-memory
+# stages that cp.async fills ahead, from spans of this many cache slots on (TRELLIS_ATTN_MMA_SLOTS;
+# 0: never, the scalar walk of before session 19; csrc/decode_attention.cu).
+ATTN_MMA_SLOTS = int(os.environ.get("TRELLIS_ATTN_MMA_SLOTS", "1") or 0)
+
 # Decode attention over short caches gives each warp one load of 16 keys while that takes at most
 # this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
 # session 16).
@@ -130,6 +135,7 @@ def extension():
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
         _ext.set_attn_merge_online(ATTN_MERGE_ONLINE)
+        _ext.set_attn_mma_slots(ATTN_MMA_SLOTS)
         _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
         # Which fp16-path products read their activations from one copy per block instead of one per
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
