@@ -749,6 +749,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "decode attention takes one load of 16 keys per warp while that needs at most this many splits (default 10; 0: never)");
     m.def("set_attn_mma_slots", &trellis::set_attn_mma_slots,
           "decode attention (D = 64 or 128) walks its keys on the tensor cores from spans of this many slots (default 1: all; 0: never)");
+    m.def("set_attn_mma_stages", &trellis::set_attn_mma_stages,
+          "the tensor-core walk's ring stages per warp: 0 (default) the most that fit, up to 3; 2 or 3 where they fit");
     m.def("set_attn_mma_one_split", &trellis::set_attn_mma_one_split,
           "the tensor-core walk takes one split for spans of at most this many slots (default 256; 0: never)");
     m.def("set_attn_merge_online", &trellis::set_attn_merge_online,

@@ -8,21 +8,13 @@
 //
 // Shape of the work: block (split, kv head x head group, batch) of 8 warps; a head group is up
 // to 4 query heads that share a kv head (grouped-query attention), so K and V are read once for
-// all of them. Each warp walks its share of the block's keys with an online softmax in base 2,
-// one of two ways:
-// - the tensor-core walk (head dim 64 or 128, the default; see decode_attention_kernel's MMA
-//   branch): 16 keys a step, scores and weighted values as MMAs, K and V rows staged through
-//   shared memory by cp.async ahead of use;
-// - the scalar walk (head dim 256, or set_attn_mma_slots(0)): loading 16 keys at a time (one
-//   memory round trip) and scoring them 8 at a time: a lane owns D/32 dimensions, so every K and
-//   V row is one coalesced read; the 32 partial dot products of a step (4 heads x 8 keys) are
-//   summed across lanes with a transposing butterfly (31 shuffles, lane l ends with sum l).
-// Steps whose keys are all masked (-inf: slots past the position, outside a window) are skipped.
-// At batch 1 and short caches the GPU is nearly idle here, so the split counts weigh memory round
-// trips and the merge's cost, not bandwidth; long caches are bandwidth work. The
-// warps' partial results merge in shared memory; when there are several splits, each block writes its
-// partial (o, max, sum) to a workspace and the last block to finish a (batch, head group) merges
-// them (a completion counter, as the product's output stage does), so one launch does it all.
+// all of them. Each warp walks its share of the block's keys (decode_attention_walks.cuh: on the
+// tensor cores for head dims 64 and 128, with scalar FMAs otherwise). At batch 1 and short caches
+// the GPU is nearly idle here, so the split counts weigh memory round trips and the merge's cost,
+// not bandwidth; long caches are bandwidth work. The warps' partial results merge in shared
+// memory; when there are several splits, each block writes its partial (o, max, sum) to a
+// workspace and the last block to finish a (batch, head group) merges them (a completion counter,
+// as the product's output stage does), so one launch does it all.
 // At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos):
 // q is rotated as it is loaded, and the block whose split holds the token's slot writes the
 // rotated k and v there before its warps read keys. One kernel boundary less per layer.
@@ -30,82 +22,12 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "exl3_mm.cuh"  // pdl helpers, launch_pdl, fence_acq_rel_gpu
+#include "decode_attention_walks.cuh"
+#include "exl3_mm.cuh"    // pdl helpers, launch_pdl, fence_acq_rel_gpu
 #include "exl3_prep.cuh"  // lane_xh, store_i8_chunk (the chain into o_proj)
 #include "kernels.h"
 
 namespace trellis {
-
-constexpr int kAttnWarps = 8;
-constexpr int kAttnHeads = 4;  // query heads per block
-constexpr int kAttnKeys = 8;   // keys per warp step (the 4 x 8 scores of one transposed sum)
-// Keys a warp loads at once: two steps' worth, so one memory round trip serves 16 keys (one
-// step for D = 256, whose rows would take too many registers).
-template <int DL>
-__host__ __device__ constexpr int attn_batch_keys() {
-    return DL <= 4 ? 2 * kAttnKeys : kAttnKeys;
-}
-constexpr float kLog2e = 1.4426950408889634f;
-
-template <int DL>
-struct HalfRow;
-template <>
-struct HalfRow<2> {
-    using T = unsigned int;
-};
-template <>
-struct HalfRow<4> {
-    using T = uint2;
-};
-template <>
-struct HalfRow<8> {
-    using T = uint4;
-};
-
-// DL consecutive halves at p (aligned to their size), as floats.
-template <int DL>
-__device__ __forceinline__ void halves_to_floats(const typename HalfRow<DL>::T& raw, float f[DL]) {
-    const half2* h = reinterpret_cast<const half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < DL / 2; ++i) {
-        const float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-
-// Coherent loads, not __ldg: q and the cache are written by the kernel just before this one,
-// which under programmatic dependent launch may still run when this grid starts; the
-// non-coherent path may serve lines from before its writes.
-template <int DL>
-__device__ __forceinline__ typename HalfRow<DL>::T load_row(const half* p) {
-    return *reinterpret_cast<const typename HalfRow<DL>::T*>(p);
-}
-
-// One round of the transposing butterfly: lanes with bit W set keep the upper W of the 2W values
-// they hold, the others the lower W, each adding its partner's copy of the half it keeps.
-template <int W>
-__device__ __forceinline__ void transpose_round(float v[32], int lane) {
-    const bool upper = (lane & W) != 0;
-#pragma unroll
-    for (int i = 0; i < W; ++i) {
-        const float lo = v[i], hi = v[i + W];
-        const float send = upper ? lo : hi;
-        const float keep = upper ? hi : lo;
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
-    }
-}
-
-// v[0..31] per lane -> the return value of lane l is the sum over lanes of v[l] (31 shuffles
-// instead of 5 for each of the 32 sums).
-__device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
-    transpose_round<16>(v, lane);
-    transpose_round<8>(v, lane);
-    transpose_round<4>(v, lane);
-    transpose_round<2>(v, lane);
-    transpose_round<1>(v, lane);
-    return v[0];
-}
 
 // Rotate-half RoPE of a row whose lane holds DL consecutive halves: the pair (i, i + D/2) sits on
 // lanes l and l ^ 16. Rounds as rope_kernel does (x*cos and rot(x)*sin each rounded, then their
@@ -131,49 +53,12 @@ __device__ __forceinline__ typename HalfRow<DL>::T rope_row(typename HalfRow<DL>
     return r;
 }
 
-// The tensor-core key walk (MMA, D = 64 or 128; set_attn_mma_slots). Why: at 32,768 slots the
-// scalar walk spent ~1,000 instructions per 16 keys and warp (fp32 dot products, a transposing
-// butterfly, the values' FMAs) and moved 3.0 TB/s where torch's SDPA moved 3.5; this walk moves
-// 3.4, and is faster than the scalar one at every span measured, 256 slots included
-// (bench.attention, csrc/PERF_NOTES.md session 19). A warp takes 16 keys per step: the scores are
-// m16n8k16 MMAs with the block's (up to 4) query heads as rows 0..3 of A and the keys' K rows as B, the
-// probabilities go back in as A (the score accumulators are already in A's layout) against V, and
-// the K and V rows reach the MMAs through ldmatrix from a ring of kAttnMmaStages shared-memory
-// stages per warp, which cp.async fills ahead (16-byte chunks XOR-swizzled by row, so the 8 rows
-// an ldmatrix phase reads sit in 8 different bank groups).
-constexpr int kAttnMmaKeys = 16;   // keys per step
-constexpr int kAttnMmaStages = 3;  // ring stages per warp
-template <int DL>
-__host__ __device__ constexpr int attn_mma_stage_bytes() {
-    return 2 * kAttnMmaKeys * 32 * DL * 2;  // K rows, then V rows
-}
-template <int DL>
-__host__ __device__ constexpr int attn_mma_smem_bytes() {
-    return kAttnWarps * kAttnMmaStages * attn_mma_stage_bytes<DL>();
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                                  uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-    const half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-template <int DL, bool MMA>
-__global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const DecodeAttnArgs a) {
+// Blocks per SM: the tensor-core walk's ring takes most of an SM's shared memory, so one; the
+// scalar walk two, which caps it at 128 registers (at head dim 256 ptxas would otherwise take 172
+// and one block per SM: 17% slower at 32,768 slots, csrc/PERF_NOTES.md session 19).
+template <int DL, bool MMA, int NS = kAttnMmaMaxStages>
+__global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention_kernel(const DecodeAttnArgs a) {
     constexpr int D = 32 * DL;
-    static_assert(!MMA || DL == 2 || DL == 4, "the tensor-core walk: D = 64 or 128");
     extern __shared__ __align__(128) unsigned char attn_ring[];
     constexpr int PS = kAttnHeads * (D + 2);  // floats per block partial: o, then max, then sum
     __shared__ float sm_o[kAttnWarps][kAttnHeads][D];
@@ -219,257 +104,21 @@ __global__ void __launch_bounds__(kAttnWarps * 32) decode_attention_kernel(const
             __syncthreads();  // the block's warps read the slot after this
         }
     }
+    // The warp's walk over its keys into the block's merge buffers. It reads the group's query
+    // head h (h < ng) through q_row, rotated here if this step's RoPE is ours; the walks load each
+    // head where they use it (loaded up front, the four rows' registers made the head-dim-256
+    // scalar walk spill).
+    auto q_row = [&](int h) {
+        Row r = load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
+        if (a.pos) r = rope_row<DL>(r, rc, rs, lane);
+        return r;
+    };
+    const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale};
+    const AttnWarpOut<D> out{sm_o[warp], sm_m[warp], sm_l[warp]};
     if constexpr (MMA) {
-        constexpr int KS = D / 16;  // k steps of the scores
-        constexpr int NT = D / 8;   // n tiles of the output
-        constexpr int RC = D / 8;   // 16-byte chunks per K or V row
-        constexpr int SB = attn_mma_stage_bytes<DL>();
-        constexpr int VOFF = kAttnMmaKeys * RC * 16;  // the stage's V rows
-        const int g = lane >> 2, cq = lane & 3;       // MMA fragment coordinates
-        unsigned char* ring = attn_ring + warp * kAttnMmaStages * SB;
-        const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-
-        // Query heads g0..g0+ng-1 (rotated here if this step's RoPE is ours) through the ring's
-        // first KB into A fragments: row g = head g (rows 4..15 zero), halves 16 ks + 2 cq (+1)
-        // and + 8.
-        half* sq = reinterpret_cast<half*>(ring);
-#pragma unroll
-        for (int h = 0; h < kAttnHeads; ++h) {
-            Row qr{};
-            if (h < ng) {
-                qr = load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
-                if (a.pos) qr = rope_row<DL>(qr, rc, rs, lane);
-            }
-            *reinterpret_cast<Row*>(sq + h * D + lane * DL) = qr;
-        }
-        __syncwarp();
-        uint32_t qa[KS][2];
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const uint32_t* row = reinterpret_cast<const uint32_t*>(sq + (g < kAttnHeads ? g : 0) * D);
-            qa[ks][0] = g < kAttnHeads ? row[(16 * ks + 2 * cq) / 2] : 0u;
-            qa[ks][1] = g < kAttnHeads ? row[(16 * ks + 8 + 2 * cq) / 2] : 0u;
-        }
-        __syncwarp();  // the ring's stages overwrite sq next
-
-        const half* kbase = kp - lane * DL;
-        const half* vbase = vp - lane * DL;
-        const int nsteps = j_end > j_begin ? (j_end - j_begin + kAttnMmaKeys - 1) / kAttnMmaKeys : 0;
-        // Step t's K and V rows into stage t % kAttnMmaStages; chunk c of row r at c ^ (r & 7); rows
-        // past j_end read nothing (zero fill). Every call commits a group, so the waits count alike.
-        auto issue = [&](int t) {
-            if (t < nsteps) {
-                const int j0 = j_begin + t * kAttnMmaKeys;
-                const uint32_t dst = ring_sa + (uint32_t)((t % kAttnMmaStages) * SB);
-#pragma unroll
-                for (int c0 = 0; c0 < 2 * kAttnMmaKeys * RC; c0 += 32) {
-                    const int c = c0 + lane;
-                    const bool is_v = c >= kAttnMmaKeys * RC;
-                    const int w = is_v ? c - kAttnMmaKeys * RC : c;
-                    const int r = w / RC, ch = w % RC;
-                    const int j = j0 + r;
-                    const half* src = (is_v ? vbase : kbase) + (size_t)(j < j_end ? j : j0) * a.kv_t + ch * 8;
-                    const uint32_t at = dst + (is_v ? VOFF : 0) + (uint32_t)((r * RC + (ch ^ (r & 7))) * 16);
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
-                                 "r"(j < j_end ? 16 : 0));
-                }
-            }
-            cp_async_commit();
-        };
-#pragma unroll
-        for (int t = 0; t < kAttnMmaStages - 1; ++t) issue(t);
-
-        // ldmatrix rows: K (non-transposed, B of the scores): lane t reads key (t >> 4) * 8 + (t & 7),
-        // chunk 2 ks + ((t >> 3) & 1); V (transposed, B of the output): key ((t >> 3) & 1) * 8 + (t & 7),
-        // chunk nt + (t >> 4).
-        const int kr_ = (lane >> 4) * 8 + (lane & 7), kc = (lane >> 3) & 1;
-        const int vr_ = ((lane >> 3) & 1) * 8 + (lane & 7), vc = lane >> 4;
-        const float qscale = a.scale * kLog2e;
-        float o[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-        float m_run = -INFINITY, l_run = 0.f;  // head g's (lanes of one g agree on m_run; l_run is this lane's part)
-        for (int t = 0; t < nsteps; ++t) {
-            cp_async_wait<kAttnMmaStages - 2>();
-            __syncwarp();
-            issue(t + kAttnMmaStages - 1);  // into the stage read at step t - 1
-            const int jb = j_begin + t * kAttnMmaKeys;
-            // This lane's 4 keys: jb + 8 kt + 2 cq + e.
-            float mk[2][2];
-            bool any = false;
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = jb + 8 * kt + 2 * cq + e;
-                    mk[kt][e] = j < j_end ? (mrow ? __half2float(mrow[j]) * kLog2e : 0.f) : -INFINITY;
-                    any |= mk[kt][e] != -INFINITY;
-                }
-            if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended
-            const uint32_t st = ring_sa + (uint32_t)((t % kAttnMmaStages) * SB);
-            float sc[2][4];
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt) sc[kt][0] = sc[kt][1] = sc[kt][2] = sc[kt][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                uint32_t b00, b01, b10, b11;
-                ldmatrix_x4(st + (uint32_t)((kr_ * RC + ((2 * ks + kc) ^ (kr_ & 7))) * 16), b00, b01, b10, b11);
-                mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b00, b01);
-                mma_16816(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b10, b11);
-            }
-            // Online softmax of head g over the 16 keys (its 4 here, the rest on lanes g*4..g*4+3).
-            float s4[2][2], mx = -INFINITY;
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
-                    mx = fmaxf(mx, s4[kt][e]);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run, mx);
-            const bool none = m_new == -INFINITY;  // every key so far masked for this head
-            const float alpha = none ? 1.f : exp2f(m_run - m_new);
-            float p[2][2];
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) p[kt][e] = none ? 0.f : exp2f(s4[kt][e] - m_new);
-            l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-            m_run = m_new;
-            const uint32_t pa0 = pack_half2(p[0][0], p[0][1]), pa2 = pack_half2(p[1][0], p[1][1]);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt += 2) {
-                uint32_t v00, v01, v10, v11;
-                const uint32_t va = st + VOFF + (uint32_t)((vr_ * RC + ((nt + vc) ^ (vr_ & 7))) * 16);
-                ldmatrix_x4_trans(va, v00, v01, v10, v11);
-                o[nt][0] *= alpha, o[nt][1] *= alpha, o[nt + 1][0] *= alpha, o[nt + 1][1] *= alpha;
-                mma_16816(o[nt], pa0, 0u, pa2, 0u, v00, v01);
-                mma_16816(o[nt + 1], pa0, 0u, pa2, 0u, v10, v11);
-            }
-        }
-        cp_async_wait<0>();
-        l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-        l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-        // This warp's partial of head g: rows 0..3 of the accumulators, columns 8 nt + 2 cq (+1).
-        if (g < kAttnHeads) {
-            if (cq == 0) {
-                sm_m[warp][g] = m_run;
-                sm_l[warp][g] = l_run;
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                sm_o[warp][g][8 * nt + 2 * cq] = o[nt][0];
-                sm_o[warp][g][8 * nt + 2 * cq + 1] = o[nt][1];
-            }
-        }
+        attn_walk_mma<DL, NS>(keys, q_row, lane, attn_ring + warp * NS * attn_mma_stage_bytes<DL>(), out);
     } else {
-        float q[kAttnHeads][DL];
-#pragma unroll
-        for (int g = 0; g < kAttnHeads; ++g) {
-            if (g < ng) {
-                const half* qp = a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + g) * a.q_h + lane * DL;
-                Row qr = load_row<DL>(qp);
-                if (a.pos) qr = rope_row<DL>(qr, rc, rs, lane);
-                halves_to_floats<DL>(qr, q[g]);
-#pragma unroll
-                for (int d = 0; d < DL; ++d) q[g][d] *= a.scale * kLog2e;  // scores in base-2 units
-            } else {
-#pragma unroll
-                for (int d = 0; d < DL; ++d) q[g][d] = 0.f;
-            }
-        }
-        float o[kAttnHeads][DL];
-#pragma unroll
-        for (int g = 0; g < kAttnHeads; ++g)
-#pragma unroll
-            for (int d = 0; d < DL; ++d) o[g][d] = 0.f;
-        // Lane l tracks head l / 8 (the transposed sums put head g's 8 scores on lanes 8g..8g+7).
-        float m_run = -INFINITY, l_run = 0.f;
-        const int my_head = lane >> 3, my_key = lane & 7;
-
-        constexpr int KB = attn_batch_keys<DL>();
-        for (int jb = j_begin; jb < j_end; jb += KB) {
-            float mk[KB / kAttnKeys];  // this lane's key (my_key) of each step, mask in base 2
-            bool any = false;
-#pragma unroll
-            for (int h = 0; h < KB / kAttnKeys; ++h) {
-                const int jm = jb + h * kAttnKeys + my_key;
-                mk[h] = -INFINITY;
-                if (jm < j_end) mk[h] = mrow ? __half2float(mrow[jm]) * kLog2e : 0.f;
-                any |= mk[h] != -INFINITY;
-            }
-            if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended: no K/V reads
-            typename HalfRow<DL>::T kr[KB], vr[KB];
-#pragma unroll
-            for (int i = 0; i < KB; ++i) {
-                if (jb + i < j_end) {
-                    kr[i] = load_row<DL>(kp + (size_t)(jb + i) * a.kv_t);
-                    vr[i] = load_row<DL>(vp + (size_t)(jb + i) * a.kv_t);
-                } else {
-                    kr[i] = typename HalfRow<DL>::T{};
-                    vr[i] = typename HalfRow<DL>::T{};
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < KB / kAttnKeys; ++h) {
-                float part[kAttnHeads * kAttnKeys];
-#pragma unroll
-                for (int i = 0; i < kAttnKeys; ++i) {
-                    float kf[DL];
-                    halves_to_floats<DL>(kr[h * kAttnKeys + i], kf);
-#pragma unroll
-                    for (int g = 0; g < kAttnHeads; ++g) {
-                        float acc = 0.f;
-#pragma unroll
-                        for (int d = 0; d < DL; ++d) acc = fmaf(q[g][d], kf[d], acc);
-                        part[g * kAttnKeys + i] = acc;
-                    }
-                }
-                float s = transpose_sum32(part, lane) + mk[h];  // head my_head, key my_key
-                if (my_head >= ng) s = -INFINITY;
-                float bmax = s;
-#pragma unroll
-                for (int o8 = 1; o8 < 8; o8 <<= 1) bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, o8));
-                const float m_new = fmaxf(m_run, bmax);
-                const bool none = m_new == -INFINITY;  // every key so far masked for this head
-                const float alpha = none ? 1.f : exp2f(m_run - m_new);
-                const float p = none ? 0.f : exp2f(s - m_new);
-                float psum = p;
-#pragma unroll
-                for (int o8 = 1; o8 < 8; o8 <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o8);
-                l_run = l_run * alpha + psum;
-                m_run = m_new;
-#pragma unroll
-                for (int g = 0; g < kAttnHeads; ++g) {
-                    const float al = __shfl_sync(0xffffffffu, alpha, g * 8);
-#pragma unroll
-                    for (int d = 0; d < DL; ++d) o[g][d] *= al;
-                }
-#pragma unroll
-                for (int i = 0; i < kAttnKeys; ++i) {
-                    float vf[DL];
-                    halves_to_floats<DL>(vr[h * kAttnKeys + i], vf);
-#pragma unroll
-                    for (int g = 0; g < kAttnHeads; ++g) {
-                        const float pg = __shfl_sync(0xffffffffu, p, g * 8 + i);
-#pragma unroll
-                        for (int d = 0; d < DL; ++d) o[g][d] = fmaf(pg, vf[d], o[g][d]);
-                    }
-                }
-            }
-        }
-
-        // Merge the block's warps: warp g < 4 then owns head g.
-        if (my_key == 0) {
-            sm_m[warp][my_head] = m_run;
-            sm_l[warp][my_head] = l_run;
-        }
-#pragma unroll
-        for (int g = 0; g < kAttnHeads; ++g)
-#pragma unroll
-            for (int d = 0; d < DL; ++d) sm_o[warp][g][lane * DL + d] = o[g][d];
+        attn_walk_scalar<DL>(keys, q_row, lane, out);
     }
     __syncthreads();
     const int g = warp;  // warps 0..3 merge one head each; the others only take part in the count
@@ -596,13 +245,33 @@ int decode_attention_counters(int batch, int kv_heads, int groups) {
     return batch * kv_heads * ((groups + kAttnHeads - 1) / kAttnHeads);
 }
 
+// Ring stages of the tensor-core walk: 0 (default) the most that fit, up to three; 2 or 3 those
+// where they fit (a test knob for the two-stage kernel, which the H200 would not pick).
+static int& attn_mma_stages() {
+    static int stages = 0;
+    return stages;
+}
+void set_attn_mma_stages(int stages) { attn_mma_stages() = stages == 2 || stages == 3 ? stages : 0; }
+
+// The ring stages a block of the tensor-core walk gets at head dim D on this device (0: none fit).
+static int attn_mma_stages_for(int D) {
+    const int dl = D / 32;
+    const int fixed = kAttnWarps * kAttnHeads * D * 4 + 1024;  // the static merge buffers, with room
+    const int room = current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() - fixed;
+    const int stage = kAttnWarps * 2 * kAttnMmaKeys * 32 * dl * 2;
+    const int fit = room / stage;
+    const int want = attn_mma_stages() ? attn_mma_stages() : kAttnMmaMaxStages;
+    const int ns = fit < want ? fit : want;
+    return ns >= 2 ? ns : 0;
+}
+
 static int& attn_mma_slots() {
     static int slots = 1;
     return slots;
 }
 void set_attn_mma_slots(int slots) { attn_mma_slots() = slots > 0 ? slots : 0; }
 static int& attn_mma_one_split() {
-    static int slots = kAttnWarps * kAttnMmaKeys * (kAttnMmaStages - 1);
+    static int slots = kAttnWarps * kAttnMmaKeys * 2;
     return slots;
 }
 void set_attn_mma_one_split(int slots) { attn_mma_one_split() = slots > 0 ? slots : 0; }
@@ -610,7 +279,8 @@ void set_attn_mma_one_split(int slots) { attn_mma_one_split() = slots > 0 ? slot
 bool decode_attention_takes_mma(const DecodeAttnArgs& a) {
     // cp.async moves 16-byte chunks: rows and bases 16-byte aligned, as a cache's are.
     const bool aligned = ((uintptr_t)a.k | (uintptr_t)a.v) % 16 == 0 && ((a.kv_t | a.kv_h | a.kv_b) * 2) % 16 == 0;
-    return attn_mma_slots() > 0 && a.S >= attn_mma_slots() && (a.D == 64 || a.D == 128) && aligned;
+    return attn_mma_slots() > 0 && a.S >= attn_mma_slots() && (a.D == 64 || a.D == 128) && aligned &&
+           attn_mma_stages_for(a.D) > 0;
 }
 
 static int& attn_one_load_splits() {
@@ -667,13 +337,15 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         if (e != cudaSuccess) return e;
         return launch_pdl(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
-    const bool mma = decode_attention_takes_mma(a);
+    const int ns = decode_attention_takes_mma(a) ? attn_mma_stages_for(a.D) : 0;
     switch (a.D) {
         case 64:
-            if (mma) return with_ring(decode_attention_kernel<2, true>, attn_mma_smem_bytes<2>());
+            if (ns == 3) return with_ring(decode_attention_kernel<2, true, 3>, attn_mma_smem_bytes<2>(3));
+            if (ns == 2) return with_ring(decode_attention_kernel<2, true, 2>, attn_mma_smem_bytes<2>(2));
             return launch_pdl(decode_attention_kernel<2, false>, grid, block, 0, stream, pdl, a);
         case 128:
-            if (mma) return with_ring(decode_attention_kernel<4, true>, attn_mma_smem_bytes<4>());
+            if (ns == 3) return with_ring(decode_attention_kernel<4, true, 3>, attn_mma_smem_bytes<4>(3));
+            if (ns == 2) return with_ring(decode_attention_kernel<4, true, 2>, attn_mma_smem_bytes<4>(2));
             return launch_pdl(decode_attention_kernel<4, false>, grid, block, 0, stream, pdl, a);
         case 256: return launch_pdl(decode_attention_kernel<8, false>, grid, block, 0, stream, pdl, a);
         default: return cudaErrorInvalidValue;

@@ -327,6 +327,8 @@ int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int 
 // least set_attn_mma_slots() slots (default 1: all; 0 never).
 bool decode_attention_takes_mma(const DecodeAttnArgs& a);
 void set_attn_mma_slots(int slots);
+// The tensor-core walk's ring stages: 0 (default) the most that fit, up to 3; 2 or 3 where they fit.
+void set_attn_mma_stages(int stages);
 // The tensor-core walk takes one split (no merge) for spans of at most this many slots (default
 // 256: two steps of 16 keys per warp, both fetched by its prologue; 0 never).
 void set_attn_mma_one_split(int slots);

@@ -812,6 +812,35 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
         ext.set_attn_mma_one_split(256)
 
 
+@pytest.mark.parametrize("D,H,Hkv", [(128, 32, 8), (64, 9, 3)])
+def test_decode_attention_two_stage_ring_matches_three(D, H, Hkv):
+    """The tensor-core walk with a two-stage ring (what a GPU with less shared memory per block,
+    such as the A100, gets; set_attn_mma_stages(2)) gives the three-stage walk's attention up to
+    fp32 rounding and the reference's, and the launched kernel is the two-stage one."""
+    ext = ops.extension()
+    try:
+        for S in (9, 256, 1300, 9000):
+            q, k, v, window = _split_attention_case(S, seed=S + D)
+            if D != 128:
+                g = torch.Generator(device=DEV).manual_seed(S)
+                k = torch.randn(2, Hkv, S, D, generator=g, device=DEV).half()
+                v = torch.randn(2, Hkv, S, D, generator=g, device=DEV).half()
+                q = torch.randn(2, H, 1, D, generator=g, device=DEV).half()
+                window = None
+            scale = D ** -0.5
+            for mask in (None, window):
+                ext.set_attn_mma_stages(3)
+                three = ops.decode_attention(q, k, v, mask, scale)
+                ext.set_attn_mma_stages(2)
+                names = kernels_run(lambda: ops.decode_attention(q, k, v, mask, scale), "decode_attention_kernel")
+                assert names and all("true, 2>" in n for n in names), names
+                two = ops.decode_attention(q, k, v, mask, scale)
+                assert rel_rms(two, _attention_reference(q, k, v, mask)) < 2e-3, S
+                assert rel_rms(two, three) < 1e-3, S
+    finally:
+        ext.set_attn_mma_stages(0)
+
+
 def test_argmax_kernel_is_torch_argmax():
     """ops.argmax (one kernel) picks what torch.argmax picks: the first of equal maxima, NaN above
     everything, -inf rows index 0; fp32 and fp16, strided rows, sizes that fill no block evenly."""

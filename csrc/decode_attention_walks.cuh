@@ -1,0 +1,405 @@
+// How a warp of the decode attention kernel (decode_attention.cu) walks its share of a block's
+// keys: the scores of the block's query heads, an online softmax in base 2, and the weighted sum
+// of values, left unnormalized with the running max and sum for the block's merge. Two walks:
+// - attn_walk_mma (head dim 64 or 128, the default): 16 keys a step on the tensor cores, K and V
+//   rows staged through shared memory by cp.async ahead of use;
+// - attn_walk_scalar (head dim 256, or set_attn_mma_slots(0)): 16 keys per load into registers
+//   (one memory round trip), scored 8 at a time with fp32 FMAs.
+// Steps whose keys are all masked (-inf: slots past the position, outside a window) are skipped.
+#pragma once
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "exl3_mm.cuh"  // cp_async_commit / cp_async_wait, mma_16816
+
+namespace trellis {
+
+constexpr int kAttnWarps = 8;
+constexpr int kAttnHeads = 4;  // query heads per block
+constexpr int kAttnKeys = 8;   // keys per warp step (the 4 x 8 scores of one transposed sum)
+// Keys a warp loads at once: two steps' worth, so one memory round trip serves 16 keys (one
+// step for D = 256, whose rows would take too many registers).
+template <int DL>
+__host__ __device__ constexpr int attn_batch_keys() {
+    return DL <= 4 ? 2 * kAttnKeys : kAttnKeys;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int DL>
+struct HalfRow;
+template <>
+struct HalfRow<2> {
+    using T = unsigned int;
+};
+template <>
+struct HalfRow<4> {
+    using T = uint2;
+};
+template <>
+struct HalfRow<8> {
+    using T = uint4;
+};
+
+// DL consecutive halves at p (aligned to their size), as floats.
+template <int DL>
+__device__ __forceinline__ void halves_to_floats(const typename HalfRow<DL>::T& raw, float f[DL]) {
+    const half2* h = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < DL / 2; ++i) {
+        const float2 t = __half22float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+// Coherent loads, not __ldg: q and the cache are written by the kernel just before this one,
+// which under programmatic dependent launch may still run when this grid starts; the
+// non-coherent path may serve lines from before its writes.
+template <int DL>
+__device__ __forceinline__ typename HalfRow<DL>::T load_row(const half* p) {
+    return *reinterpret_cast<const typename HalfRow<DL>::T*>(p);
+}
+
+// One round of the transposing butterfly: lanes with bit W set keep the upper W of the 2W values
+// they hold, the others the lower W, each adding its partner's copy of the half it keeps.
+template <int W>
+__device__ __forceinline__ void transpose_round(float v[32], int lane) {
+    const bool upper = (lane & W) != 0;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const float lo = v[i], hi = v[i + W];
+        const float send = upper ? lo : hi;
+        const float keep = upper ? hi : lo;
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+    }
+}
+
+// v[0..31] per lane -> the return value of lane l is the sum over lanes of v[l] (31 shuffles
+// instead of 5 for each of the 32 sums).
+__device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
+    transpose_round<16>(v, lane);
+    transpose_round<8>(v, lane);
+    transpose_round<4>(v, lane);
+    transpose_round<2>(v, lane);
+    transpose_round<1>(v, lane);
+    return v[0];
+}
+
+// A warp's share of a block's keys: K and V rows j_begin .. j_end - 1 of one kv head (this lane's
+// D/32 halves of row j at k + j * kv_t), the sequence's additive mask row (or null), how many of the
+// block's kAttnHeads query heads are real, the softmax scale. The walks read query head h < ng
+// through q_row(h): the lane's D/32 halves of its row.
+struct AttnWarpKeys {
+    const half* k;
+    const half* v;
+    const half* mask;
+    long kv_t;
+    int j_begin, j_end, ng;
+    float scale;
+};
+// Where a warp leaves its result for the block's merge: o [kAttnHeads][D] (unnormalized), and per
+// head the running max (base 2) and sum.
+template <int D>
+struct AttnWarpOut {
+    float (*o)[D];
+    float* m;
+    float* l;
+};
+
+// The scalar walk: a lane owns D/32 dimensions, so every K and V row is one coalesced read; the
+// 32 partial dot products of a step (4 heads x 8 keys) are summed across lanes with a transposing
+// butterfly (31 shuffles, lane l ends with sum l). Lane l tracks head l / 8.
+template <int DL, typename QRow>
+__device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q_row, int lane,
+                                                 const AttnWarpOut<32 * DL>& out) {
+    const half* kp = w.k;
+    const half* vp = w.v;
+    const int j_begin = w.j_begin, j_end = w.j_end;
+    float q[kAttnHeads][DL];
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g) {
+        if (g < w.ng) {
+            halves_to_floats<DL>(q_row(g), q[g]);
+#pragma unroll
+            for (int d = 0; d < DL; ++d) q[g][d] *= w.scale * kLog2e;  // scores in base-2 units
+        } else {
+#pragma unroll
+            for (int d = 0; d < DL; ++d) q[g][d] = 0.f;
+        }
+    }
+    float o[kAttnHeads][DL];
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g)
+#pragma unroll
+        for (int d = 0; d < DL; ++d) o[g][d] = 0.f;
+    // Lane l tracks head l / 8 (the transposed sums put head g's 8 scores on lanes 8g..8g+7).
+    float m_run = -INFINITY, l_run = 0.f;
+    const int my_head = lane >> 3, my_key = lane & 7;
+
+    constexpr int KB = attn_batch_keys<DL>();
+    for (int jb = j_begin; jb < j_end; jb += KB) {
+        float mk[KB / kAttnKeys];  // this lane's key (my_key) of each step, mask in base 2
+        bool any = false;
+#pragma unroll
+        for (int h = 0; h < KB / kAttnKeys; ++h) {
+            const int jm = jb + h * kAttnKeys + my_key;
+            mk[h] = -INFINITY;
+            if (jm < j_end) mk[h] = w.mask ? __half2float(w.mask[jm]) * kLog2e : 0.f;
+            any |= mk[h] != -INFINITY;
+        }
+        if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended: no K/V reads
+        typename HalfRow<DL>::T kr[KB], vr[KB];
+#pragma unroll
+        for (int i = 0; i < KB; ++i) {
+            if (jb + i < j_end) {
+                kr[i] = load_row<DL>(kp + (size_t)(jb + i) * w.kv_t);
+                vr[i] = load_row<DL>(vp + (size_t)(jb + i) * w.kv_t);
+            } else {
+                kr[i] = typename HalfRow<DL>::T{};
+                vr[i] = typename HalfRow<DL>::T{};
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < KB / kAttnKeys; ++h) {
+            float part[kAttnHeads * kAttnKeys];
+#pragma unroll
+            for (int i = 0; i < kAttnKeys; ++i) {
+                float kf[DL];
+                halves_to_floats<DL>(kr[h * kAttnKeys + i], kf);
+#pragma unroll
+                for (int g = 0; g < kAttnHeads; ++g) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int d = 0; d < DL; ++d) acc = fmaf(q[g][d], kf[d], acc);
+                    part[g * kAttnKeys + i] = acc;
+                }
+            }
+            float s = transpose_sum32(part, lane) + mk[h];  // head my_head, key my_key
+            if (my_head >= w.ng) s = -INFINITY;
+            float bmax = s;
+#pragma unroll
+            for (int o8 = 1; o8 < 8; o8 <<= 1) bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, o8));
+            const float m_new = fmaxf(m_run, bmax);
+            const bool none = m_new == -INFINITY;  // every key so far masked for this head
+            const float alpha = none ? 1.f : exp2f(m_run - m_new);
+            const float p = none ? 0.f : exp2f(s - m_new);
+            float psum = p;
+#pragma unroll
+            for (int o8 = 1; o8 < 8; o8 <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o8);
+            l_run = l_run * alpha + psum;
+            m_run = m_new;
+#pragma unroll
+            for (int g = 0; g < kAttnHeads; ++g) {
+                const float al = __shfl_sync(0xffffffffu, alpha, g * 8);
+#pragma unroll
+                for (int d = 0; d < DL; ++d) o[g][d] *= al;
+            }
+#pragma unroll
+            for (int i = 0; i < kAttnKeys; ++i) {
+                float vf[DL];
+                halves_to_floats<DL>(vr[h * kAttnKeys + i], vf);
+#pragma unroll
+                for (int g = 0; g < kAttnHeads; ++g) {
+                    const float pg = __shfl_sync(0xffffffffu, p, g * 8 + i);
+#pragma unroll
+                    for (int d = 0; d < DL; ++d) o[g][d] = fmaf(pg, vf[d], o[g][d]);
+                }
+            }
+        }
+    }
+
+    if (my_key == 0) {
+        out.m[my_head] = m_run;
+        out.l[my_head] = l_run;
+    }
+#pragma unroll
+    for (int g = 0; g < kAttnHeads; ++g)
+#pragma unroll
+        for (int d = 0; d < DL; ++d) out.o[g][lane * DL + d] = o[g][d];
+}
+
+// The tensor-core key walk (MMA, D = 64 or 128; set_attn_mma_slots). Why: at 32,768 slots the
+// scalar walk spent ~1,000 instructions per 16 keys and warp (fp32 dot products, a transposing
+// butterfly, the values' FMAs) and moved 3.0 TB/s where torch's SDPA moved 3.5; this walk moves
+// 3.4, and is faster than the scalar one at every span measured, 256 slots included
+// (bench.attention, csrc/PERF_NOTES.md session 19). A warp takes 16 keys per step: the scores are
+// m16n8k16 MMAs with the block's (up to 4) query heads as rows 0..3 of A and the keys' K rows as B, the
+// probabilities go back in as A (the score accumulators are already in A's layout) against V, and
+// the K and V rows reach the MMAs through ldmatrix from a ring of NS shared-memory stages per
+// warp, which cp.async fills ahead (16-byte chunks XOR-swizzled by row, so the 8 rows an ldmatrix
+// phase reads sit in 8 different bank groups). Three stages (192 KB a block at D = 128: one block
+// per SM) where they fit, as on the H100/H200; two where a block gets less shared memory (A100:
+// 163 KB); none (the scalar walk) below that.
+constexpr int kAttnMmaKeys = 16;  // keys per step
+constexpr int kAttnMmaMaxStages = 3;
+template <int DL>
+__host__ __device__ constexpr int attn_mma_stage_bytes() {
+    return 2 * kAttnMmaKeys * 32 * DL * 2;  // K rows, then V rows
+}
+template <int DL>
+__host__ __device__ constexpr int attn_mma_smem_bytes(int ns) {
+    return kAttnWarps * ns * attn_mma_stage_bytes<DL>();
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                  uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    const half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <int DL, int NS, typename QRow>
+__device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_row, int lane, unsigned char* ring,
+                                              const AttnWarpOut<32 * DL>& out) {
+    static_assert(DL == 2 || DL == 4, "the tensor-core walk: D = 64 or 128");
+    using Row = typename HalfRow<DL>::T;
+    constexpr int D = 32 * DL;
+    const int j_begin = w.j_begin, j_end = w.j_end;
+    constexpr int KS = D / 16;  // k steps of the scores
+    constexpr int NT = D / 8;   // n tiles of the output
+    constexpr int RC = D / 8;   // 16-byte chunks per K or V row
+    constexpr int SB = attn_mma_stage_bytes<DL>();
+    constexpr int VOFF = kAttnMmaKeys * RC * 16;  // the stage's V rows
+    const int g = lane >> 2, cq = lane & 3;       // MMA fragment coordinates
+    const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+
+    // The query heads through the ring's first KB into A fragments: row g = head g (rows 4..15
+    // zero), halves 16 ks + 2 cq (+1) and + 8.
+    half* sq = reinterpret_cast<half*>(ring);
+#pragma unroll
+    for (int h = 0; h < kAttnHeads; ++h) *reinterpret_cast<Row*>(sq + h * D + lane * DL) = h < w.ng ? q_row(h) : Row{};
+    __syncwarp();
+    uint32_t qa[KS][2];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(sq + (g < kAttnHeads ? g : 0) * D);
+        qa[ks][0] = g < kAttnHeads ? row[(16 * ks + 2 * cq) / 2] : 0u;
+        qa[ks][1] = g < kAttnHeads ? row[(16 * ks + 8 + 2 * cq) / 2] : 0u;
+    }
+    __syncwarp();  // the ring's stages overwrite sq next
+
+    const int nsteps = j_end > j_begin ? (j_end - j_begin + kAttnMmaKeys - 1) / kAttnMmaKeys : 0;
+    // Step t's K and V rows into stage t % NS; chunk c of row r at c ^ (r & 7); rows
+    // past j_end read nothing (zero fill). Every call commits a group, so the waits count alike.
+    auto issue = [&](int t) {
+        if (t < nsteps) {
+            const int j0 = j_begin + t * kAttnMmaKeys;
+            const uint32_t dst = ring_sa + (uint32_t)((t % NS) * SB);
+#pragma unroll
+            for (int c0 = 0; c0 < 2 * kAttnMmaKeys * RC; c0 += 32) {
+                const int c = c0 + lane;
+                const bool is_v = c >= kAttnMmaKeys * RC;
+                const int cw = is_v ? c - kAttnMmaKeys * RC : c;  // the chunk within K's or V's rows
+                const int r = cw / RC, ch = cw % RC;
+                const int j = j0 + r;
+                const half* src = (is_v ? w.v : w.k) - lane * DL + (size_t)(j < j_end ? j : j0) * w.kv_t + ch * 8;
+                const uint32_t at = dst + (is_v ? VOFF : 0) + (uint32_t)((r * RC + (ch ^ (r & 7))) * 16);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                             "r"(j < j_end ? 16 : 0));
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < NS - 1; ++t) issue(t);
+
+    // ldmatrix rows: K (non-transposed, B of the scores): lane t reads key (t >> 4) * 8 + (t & 7),
+    // chunk 2 ks + ((t >> 3) & 1); V (transposed, B of the output): key ((t >> 3) & 1) * 8 + (t & 7),
+    // chunk nt + (t >> 4).
+    const int kr_ = (lane >> 4) * 8 + (lane & 7), kc = (lane >> 3) & 1;
+    const int vr_ = ((lane >> 3) & 1) * 8 + (lane & 7), vc = lane >> 4;
+    const float qscale = w.scale * kLog2e;
+    float o[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;  // head g's (lanes of one g agree on m_run; l_run is this lane's part)
+    for (int t = 0; t < nsteps; ++t) {
+        cp_async_wait<NS - 2>();
+        __syncwarp();
+        issue(t + NS - 1);  // into the stage read at step t - 1
+        const int jb = j_begin + t * kAttnMmaKeys;
+        // This lane's 4 keys: jb + 8 kt + 2 cq + e.
+        float mk[2][2];
+        bool any = false;
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = jb + 8 * kt + 2 * cq + e;
+                mk[kt][e] = j < j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
+                any |= mk[kt][e] != -INFINITY;
+            }
+        if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended
+        const uint32_t st = ring_sa + (uint32_t)((t % NS) * SB);
+        float sc[2][4];
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) sc[kt][0] = sc[kt][1] = sc[kt][2] = sc[kt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(st + (uint32_t)((kr_ * RC + ((2 * ks + kc) ^ (kr_ & 7))) * 16), b00, b01, b10, b11);
+            mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b00, b01);
+            mma_16816(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b10, b11);
+        }
+        // Online softmax of head g over the 16 keys (its 4 here, the rest on lanes g*4..g*4+3).
+        float s4[2][2], mx = -INFINITY;
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
+                mx = fmaxf(mx, s4[kt][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const bool none = m_new == -INFINITY;  // every key so far masked for this head
+        const float alpha = none ? 1.f : exp2f(m_run - m_new);
+        float p[2][2];
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) p[kt][e] = none ? 0.f : exp2f(s4[kt][e] - m_new);
+        l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+        m_run = m_new;
+        const uint32_t pa0 = pack_half2(p[0][0], p[0][1]), pa2 = pack_half2(p[1][0], p[1][1]);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t v00, v01, v10, v11;
+            const uint32_t va = st + VOFF + (uint32_t)((vr_ * RC + ((nt + vc) ^ (vr_ & 7))) * 16);
+            ldmatrix_x4_trans(va, v00, v01, v10, v11);
+            o[nt][0] *= alpha, o[nt][1] *= alpha, o[nt + 1][0] *= alpha, o[nt + 1][1] *= alpha;
+            mma_16816(o[nt], pa0, 0u, pa2, 0u, v00, v01);
+            mma_16816(o[nt + 1], pa0, 0u, pa2, 0u, v10, v11);
+        }
+    }
+    cp_async_wait<0>();
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    // This warp's partial of head g: rows 0..3 of the accumulators, columns 8 nt + 2 cq (+1).
+    if (g < kAttnHeads) {
+        if (cq == 0) {
+            out.m[g] = m_run;
+            out.l[g] = l_run;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            out.o[g][8 * nt + 2 * cq] = o[nt][0];
+            out.o[g][8 * nt + 2 * cq + 1] = o[nt][1];
+        }
+    }
+}
+
+}  // namespace trellis
