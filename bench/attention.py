@@ -29,7 +29,7 @@ def read_rate_gbps(nbytes: int = 1 << 30) -> float:
 
 
 def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bool, calls: int, warmup: int,
-                floor_gbps: float, mma_one_split: int = 256):
+                floor_gbps: float, mma_one_split: int):
     from engine import ops
 
     ext = ops.extension()
@@ -77,21 +77,22 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", choices=["cold", "hot"], default="cold")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--mma-one-split", type=int, default=256,
-                    help="the tensor-core walk takes one split for spans of at most this many slots (shipped: 256)")
+    ap.add_argument("--mma-one-split", type=int, default=None,
+                    help="the tensor-core walk takes one split for spans of at most this many slots (default: shipped)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "attention", "error": "no CUDA device"}))
         return 1
     TIMING["mode"] = "graph"
     from engine import ops
-    ops.extension().set_attn_mma_one_split(args.mma_one_split)
+    one_split = ops.ATTN_MMA_ONE_SPLIT if args.mma_one_split is None else args.mma_one_split
+    ops.extension().set_attn_mma_one_split(one_split)
     floor = read_rate_gbps()
     print(json.dumps({"bench": "attention", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "read_GBps": round(floor, 1)}), flush=True)
     for slots in args.slots:
         bench_slots(slots, args.paths, args.heads, args.kv_heads, args.dim, args.cache == "cold", args.calls,
-                    args.warmup, floor, args.mma_one_split)
+                    args.warmup, floor, one_split)
     return 0
 
 

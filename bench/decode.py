@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
             ops.extension().set_attn_mma_slots(pick_number("attnmma", ops.ATTN_MMA_SLOTS))
-            ops.extension().set_attn_mma_one_split(pick_number("attnmmaonesplit", 256))
+            ops.extension().set_attn_mma_one_split(pick_number("attnmmaonesplit", ops.ATTN_MMA_ONE_SPLIT))
             ops.extension().set_attn_one_load_splits(pick_number("attnoneload", ops.ATTN_ONE_LOAD_SPLITS))
         for batch, ctx in itertools.product(args.batch, args.contexts):
             try:

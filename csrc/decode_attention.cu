@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     const int ng = min(kAttnHeads, a.G - g0);  // real heads in this group
     const int per_split = (a.S + a.n_split - 1) / a.n_split;
     const int s0 = blockIdx.x * per_split, s1 = min(a.S, s0 + per_split);
-    const int per_warp = ((s1 - s0 + kAttnWarps - 1) / kAttnWarps + kAttnKeys - 1) / kAttnKeys * kAttnKeys;  // whole steps
+    // Whole 8-key steps per warp (the tensor-core walk masks the keys of its 16-key steps past j_end).
+    const int per_warp = ((s1 - s0 + kAttnWarps - 1) / kAttnWarps + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
     const int j_begin = s0 + warp * per_warp, j_end = min(s1, j_begin + per_warp);
     const half* kp = a.k + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* vp = a.v + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale};
     const AttnWarpOut<D> out{sm_o[warp], sm_m[warp], sm_l[warp]};
     if constexpr (MMA) {
-        attn_walk_mma<DL, NS>(keys, q_row, lane, attn_ring + warp * NS * attn_mma_stage_bytes<DL>(), out);
+        attn_walk_mma<DL, NS>(keys, q_row, lane, attn_ring + warp * NS * attn_mma_stage_bytes(DL), out);
     } else {
         attn_walk_scalar<DL>(keys, q_row, lane, out);
     }
@@ -255,11 +256,9 @@ void set_attn_mma_stages(int stages) { attn_mma_stages() = stages == 2 || stages
 
 // The ring stages a block of the tensor-core walk gets at head dim D on this device (0: none fit).
 static int attn_mma_stages_for(int D) {
-    const int dl = D / 32;
     const int fixed = kAttnWarps * kAttnHeads * D * 4 + 1024;  // the static merge buffers, with room
     const int room = current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() - fixed;
-    const int stage = kAttnWarps * 2 * kAttnMmaKeys * 32 * dl * 2;
-    const int fit = room / stage;
+    const int fit = room / attn_mma_smem_bytes(D / 32, 1);
     const int want = attn_mma_stages() ? attn_mma_stages() : kAttnMmaMaxStages;
     const int ns = fit < want ? fit : want;
     return ns >= 2 ? ns : 0;
@@ -292,8 +291,8 @@ void set_attn_one_load_splits(int splits) { attn_one_load_splits() = splits > 0 
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma) {
     const int blocks_per_split = decode_attention_counters(batch, kv_heads, groups);
     if (mma) {
-        // The tensor-core walk: one split (no merge through the workspace) while each warp needs at
-        // most the steps its prologue fetches at once (256 slots); beyond that a split per step of
+        // The tensor-core walk: one split (no merge through the workspace) up to 256 slots (two steps
+        // per warp, both fetched by a three-stage ring's prologue); beyond that a split per step of
         // each warp, up to one block per SM (the ring is most of an SM's shared memory). Measured
         // (H200, Llama-3.1-8B heads, bench.attention, session 19): 256 slots 5.2 us in one split
         // against 6.3 in two; 512 slots 6.6 in four against 7.2 in two; 1,024 7.2 in eight against
@@ -340,12 +339,12 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
     const int ns = decode_attention_takes_mma(a) ? attn_mma_stages_for(a.D) : 0;
     switch (a.D) {
         case 64:
-            if (ns == 3) return with_ring(decode_attention_kernel<2, true, 3>, attn_mma_smem_bytes<2>(3));
-            if (ns == 2) return with_ring(decode_attention_kernel<2, true, 2>, attn_mma_smem_bytes<2>(2));
+            if (ns == 3) return with_ring(decode_attention_kernel<2, true, 3>, attn_mma_smem_bytes(2, 3));
+            if (ns == 2) return with_ring(decode_attention_kernel<2, true, 2>, attn_mma_smem_bytes(2, 2));
             return launch_pdl(decode_attention_kernel<2, false>, grid, block, 0, stream, pdl, a);
         case 128:
-            if (ns == 3) return with_ring(decode_attention_kernel<4, true, 3>, attn_mma_smem_bytes<4>(3));
-            if (ns == 2) return with_ring(decode_attention_kernel<4, true, 2>, attn_mma_smem_bytes<4>(2));
+            if (ns == 3) return with_ring(decode_attention_kernel<4, true, 3>, attn_mma_smem_bytes(4, 3));
+            if (ns == 2) return with_ring(decode_attention_kernel<4, true, 2>, attn_mma_smem_bytes(4, 2));
             return launch_pdl(decode_attention_kernel<4, false>, grid, block, 0, stream, pdl, a);
         case 256: return launch_pdl(decode_attention_kernel<8, false>, grid, block, 0, stream, pdl, a);
         default: return cudaErrorInvalidValue;

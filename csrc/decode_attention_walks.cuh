@@ -233,13 +233,12 @@ __device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q
 // 163 KB); none (the scalar walk) below that.
 constexpr int kAttnMmaKeys = 16;  // keys per step
 constexpr int kAttnMmaMaxStages = 3;
-template <int DL>
-__host__ __device__ constexpr int attn_mma_stage_bytes() {
-    return 2 * kAttnMmaKeys * 32 * DL * 2;  // K rows, then V rows
+// Bytes of one ring stage (K rows, then V rows) and of a block's rings, at head dim 32 dl.
+__host__ __device__ constexpr int attn_mma_stage_bytes(int dl) {
+    return 2 * kAttnMmaKeys * 32 * dl * 2;
 }
-template <int DL>
-__host__ __device__ constexpr int attn_mma_smem_bytes(int ns) {
-    return kAttnWarps * ns * attn_mma_stage_bytes<DL>();
+__host__ __device__ constexpr int attn_mma_smem_bytes(int dl, int ns) {
+    return kAttnWarps * ns * attn_mma_stage_bytes(dl);
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
@@ -270,7 +269,7 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
     constexpr int KS = D / 16;  // k steps of the scores
     constexpr int NT = D / 8;   // n tiles of the output
     constexpr int RC = D / 8;   // 16-byte chunks per K or V row
-    constexpr int SB = attn_mma_stage_bytes<DL>();
+    constexpr int SB = attn_mma_stage_bytes(DL);
     constexpr int VOFF = kAttnMmaKeys * RC * 16;  // the stage's V rows
     const int g = lane >> 2, cq = lane & 3;       // MMA fragment coordinates
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));

@@ -330,7 +330,7 @@ void set_attn_mma_slots(int slots);
 // The tensor-core walk's ring stages: 0 (default) the most that fit, up to 3; 2 or 3 where they fit.
 void set_attn_mma_stages(int stages);
 // The tensor-core walk takes one split (no merge) for spans of at most this many slots (default
-// 256: two steps of 16 keys per warp, both fetched by its prologue; 0 never).
+// 256: two steps of 16 keys per warp; 0 never).
 void set_attn_mma_one_split(int slots);
 // Short caches take a split per 16 keys per warp (one load) while that is at most `splits` splits
 // (default 10); 0: about 32 keys per warp always (before session 16).

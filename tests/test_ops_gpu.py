@@ -791,7 +791,7 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
     per_row[-1, S // 3 + 1:] = float("-inf")
     ext = ops.extension()
     try:
-        for one_split, mask in itertools.product((256, 0), (None, window, per_row)):
+        for one_split, mask in itertools.product((ops.ATTN_MMA_ONE_SPLIT, 0), (None, window, per_row)):
             ext.set_attn_mma_one_split(one_split)  # 0: spans up to 256 slots in several splits too
             ext.set_attn_mma_slots(1)
             mma = ops.decode_attention(q, k, v, mask, scale)
@@ -809,7 +809,7 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
         assert a is not None and torch.equal(a, ops.decode_attention(q, odd, odd, None, scale))
     finally:
         ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
-        ext.set_attn_mma_one_split(256)
+        ext.set_attn_mma_one_split(ops.ATTN_MMA_ONE_SPLIT)
 
 
 @pytest.mark.parametrize("D,H,Hkv", [(128, 32, 8), (64, 9, 3)])

@@ -79,6 +79,9 @@ ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
 # stages that cp.async fills ahead, from spans of this many cache slots on (TRELLIS_ATTN_MMA_SLOTS;
 # 0: never, the scalar walk of before session 19; csrc/decode_attention.cu).
 ATTN_MMA_SLOTS = int(os.environ.get("TRELLIS_ATTN_MMA_SLOTS", "1") or 0)
+# Up to how many slots the tensor-core walk takes one split (the extension's default; benchmarks
+# and tests that change it restore this).
+ATTN_MMA_ONE_SPLIT = 256
 
 # Decode attention over short caches gives each warp one load of 16 keys while that takes at most
 # this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
