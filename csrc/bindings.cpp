@@ -656,7 +656,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
     a.k = hptr(k), a.v = hptr(v);
     a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
-    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_takes_mma(a));
+    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_mma_stages(a) > 0);
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
                     counters.numel() >= trellis::decode_attention_counters(a.B, a.Hkv, a.G),
                 "decode_attention: too few counters");

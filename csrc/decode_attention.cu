@@ -275,11 +275,11 @@ static int& attn_mma_one_split() {
 }
 void set_attn_mma_one_split(int slots) { attn_mma_one_split() = slots > 0 ? slots : 0; }
 
-bool decode_attention_takes_mma(const DecodeAttnArgs& a) {
+int decode_attention_mma_stages(const DecodeAttnArgs& a) {
     // cp.async moves 16-byte chunks: rows and bases 16-byte aligned, as a cache's are.
     const bool aligned = ((uintptr_t)a.k | (uintptr_t)a.v) % 16 == 0 && ((a.kv_t | a.kv_h | a.kv_b) * 2) % 16 == 0;
-    return attn_mma_slots() > 0 && a.S >= attn_mma_slots() && (a.D == 64 || a.D == 128) && aligned &&
-           attn_mma_stages_for(a.D) > 0;
+    const bool takes = attn_mma_slots() > 0 && a.S >= attn_mma_slots() && (a.D == 64 || a.D == 128) && aligned;
+    return takes ? attn_mma_stages_for(a.D) : 0;
 }
 
 static int& attn_one_load_splits() {
@@ -336,7 +336,7 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         if (e != cudaSuccess) return e;
         return launch_pdl(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
-    const int ns = decode_attention_takes_mma(a) ? attn_mma_stages_for(a.D) : 0;
+    const int ns = decode_attention_mma_stages(a);
     switch (a.D) {
         case 64:
             if (ns == 3) return with_ring(decode_attention_kernel<2, true, 3>, attn_mma_smem_bytes(2, 3));

@@ -321,11 +321,12 @@ struct DecodeAttnArgs {
     const half* sin = nullptr;
     const int64_t* pos = nullptr;
 };
-// mma: the tensor-core key walk serves the call (decode_attention_takes_mma), one block per SM.
+// mma: the tensor-core key walk serves the call (decode_attention_mma_stages > 0), one block per SM.
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma = false);
-// Whether a call takes the tensor-core key walk: D = 64 or 128, 16-byte aligned rows, a span of at
-// least set_attn_mma_slots() slots (default 1: all; 0 never).
-bool decode_attention_takes_mma(const DecodeAttnArgs& a);
+// The ring stages of the tensor-core key walk for a call, 0 where the scalar walk serves it: the
+// walk takes D = 64 or 128, 16-byte aligned rows, a span of at least set_attn_mma_slots() slots
+// (default 1: all; 0 never), and a GPU that fits two stages or more in a block's shared memory.
+int decode_attention_mma_stages(const DecodeAttnArgs& a);
 void set_attn_mma_slots(int slots);
 // The tensor-core walk's ring stages: 0 (default) the most that fit, up to 3; 2 or 3 where they fit.
 void set_attn_mma_stages(int stages);
