@@ -331,10 +331,8 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
     const dim3 grid((unsigned)a.n_split, (unsigned)(decode_attention_counters(1, a.Hkv, a.G)), (unsigned)a.B);
     const dim3 block(kAttnWarps * 32);
     const bool pdl = glue_pdl();
-    auto with_ring = [&](auto kern, int bytes) -> cudaError_t {
-        const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-        if (e != cudaSuccess) return e;
-        return launch_pdl(kern, grid, block, (size_t)bytes, stream, pdl, a);
+    auto with_ring = [&](auto kern, int bytes) {
+        return launch_pdl_smem(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
     const int ns = decode_attention_mma_stages(a);
     switch (a.D) {

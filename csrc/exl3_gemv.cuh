@@ -859,14 +859,12 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // the grid CFG 9 would have.
     const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
-    auto kern = exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>;
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
-    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
-                      a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters,
-                      a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger, gemv_finish_rows(),
-                      a.zero_after, a.zero_n, chain_arg<CH>(a));
+    return launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
+                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
+                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
+                           a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
+                           gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is

@@ -271,12 +271,9 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
     const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS) * 4;
-    auto kern = exl3_gemv_sa_kernel<K, CB, NG, CFG>;
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-    return launch_pdl(kern, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem, stream, a.pdl, a.xb, a.trellis,
-                      a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias, a.counters, a.early_trigger,
-                      gemv_finish_rows(), gd);
+    return launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem,
+                           stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
+                           a.counters, a.early_trigger, gemv_finish_rows(), gd);
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.

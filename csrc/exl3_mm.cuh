@@ -264,6 +264,16 @@ cudaError_t launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// launch_pdl for a kernel with more dynamic shared memory than a launch gets unasked (48 KB): the
+// kernel's limit is raised to `smem` first.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_pdl_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, bool pdl, Args&&... args) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    return launch_pdl(kernel, grid, block, smem, stream, pdl, std::forward<Args>(args)...);
+}
+
 // A glue kernel's launch: a programmatic dependent where glue_pdl says so, no dynamic shared memory.
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_glue(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
