@@ -705,14 +705,14 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
 
-def _split_attention_case(S: int, seed: int):
-    """One sequence of 32 heads over 8 kv heads (D = 128) at S slots, and a window that masks the
-    cache's first half (so whole splits see only masked keys): q, k, v, window."""
+def _split_attention_case(S: int, seed: int, H: int = 32, Hkv: int = 8, D: int = 128, B: int = 1):
+    """B sequences of H heads over Hkv kv heads (by default one of 32 over 8, D = 128) at S slots,
+    and a window that masks the cache's first half (so whole splits see only masked keys): q, k,
+    v, window."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    H, Hkv, D = 32, 8, 128
-    k = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
-    v = torch.randn(1, Hkv, S, D, generator=g, device=DEV).half()
-    q = torch.randn(1, H, 1, D, generator=g, device=DEV).half()
+    k = torch.randn(B, Hkv, S, D, generator=g, device=DEV).half()
+    v = torch.randn(B, Hkv, S, D, generator=g, device=DEV).half()
+    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
     window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
     window[:, : S // 2] = float("-inf")
     return q, k, v, window
@@ -812,21 +812,15 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
         ext.set_attn_mma_one_split(ops.ATTN_MMA_ONE_SPLIT)
 
 
-@pytest.mark.parametrize("D,H,Hkv", [(128, 32, 8), (64, 9, 3)])
-def test_decode_attention_two_stage_ring_matches_three(D, H, Hkv):
+@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2)])
+def test_decode_attention_two_stage_ring_matches_three(D, H, Hkv, B):
     """The tensor-core walk with a two-stage ring (what a GPU with less shared memory per block,
     such as the A100, gets; set_attn_mma_stages(2)) gives the three-stage walk's attention up to
     fp32 rounding and the reference's, and the launched kernel is the two-stage one."""
     ext = ops.extension()
     try:
         for S in (9, 256, 1300, 9000):
-            q, k, v, window = _split_attention_case(S, seed=S + D)
-            if D != 128:
-                g = torch.Generator(device=DEV).manual_seed(S)
-                k = torch.randn(2, Hkv, S, D, generator=g, device=DEV).half()
-                v = torch.randn(2, Hkv, S, D, generator=g, device=DEV).half()
-                q = torch.randn(2, H, 1, D, generator=g, device=DEV).half()
-                window = None
+            q, k, v, window = _split_attention_case(S, seed=S + D, H=H, Hkv=Hkv, D=D, B=B)
             scale = D ** -0.5
             for mask in (None, window):
                 ext.set_attn_mma_stages(3)
