@@ -64,6 +64,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     __shared__ float sm_o[kAttnWarps][kAttnHeads][D];
     __shared__ float sm_m[kAttnWarps][kAttnHeads], sm_l[kAttnWarps][kAttnHeads];
     __shared__ int sm_last;
+    using Row = typename HalfRow<DL>::T;
+    __shared__ __align__(16) Row sm_new[2][32];  // MMA: this step's token's K and V rows, for the walks' patch
 
     if (a.early_trigger) pdl_launch_dependents();  // the next kernel waits for this grid anyway
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -85,13 +87,32 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     uint2 next_s = make_uint2(0u, 0u);
     if (DL == 4 && a.next_xb && warp < ng)
         next_s = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + lane * DL));
+    const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale};
+    unsigned char* ring = attn_ring + warp * NS * attn_mma_stage_bytes(DL);
+    // MMA with this step's RoPE ours (a.pos): the walk's first stages before the wait. The cache
+    // rows of earlier steps were written by kernels that completed before this grid started (its
+    // primary, the q/k/v product, passed its own wait before this grid could launch), and the one
+    // row written this step, the token's, is this kernel's: it is patched into its stage after the
+    // write below. Without a.pos the kernel before this one may have written the token's row
+    // (rope_qk_store), so the walk fetches after the wait.
+    const bool early = MMA && a.pos != nullptr;
+    if constexpr (MMA) {
+        if (early) attn_mma_prefetch<DL, NS>(keys, lane, ring);
+    }
     pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
-    using Row = typename HalfRow<DL>::T;
     Row rc{}, rs{};
+    long p = -1;  // this step's slot, when the RoPE is ours
+    Row qraw[kAttnHeads];  // MMA: the query rows, loaded with the RoPE's inputs
+    if constexpr (MMA) {
+#pragma unroll
+        for (int h = 0; h < kAttnHeads; ++h)
+            qraw[h] = h < ng ? load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL)
+                             : Row{};
+    }
     if (a.pos) {  // RoPE here: rotate q below, and write the token's k and v if this split reads its slot
         rc = load_row<DL>(a.cos + lane * DL);
         rs = load_row<DL>(a.sin + lane * DL);
-        const long p = *a.pos;
+        p = *a.pos;
         if (p >= s0 && p < s1) {  // block-uniform
             if (warp == 0) {
                 const size_t at = (size_t)b * a.nk_b + (size_t)kvh * a.nk_h + lane * DL;
@@ -101,23 +122,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
                 // of this kv head write the same bits)
                 *reinterpret_cast<Row*>(const_cast<half*>(kp) + (size_t)p * a.kv_t) = kr;
                 *reinterpret_cast<Row*>(const_cast<half*>(vp) + (size_t)p * a.kv_t) = vr;
+                if constexpr (MMA) sm_new[0][lane] = kr, sm_new[1][lane] = vr;
             }
             __syncthreads();  // the block's warps read the slot after this
         }
     }
     // The warp's walk over its keys into the block's merge buffers. It reads the group's query
-    // head h (h < ng) through q_row, rotated here if this step's RoPE is ours; the walks load each
-    // head where they use it (loaded up front, the four rows' registers made the head-dim-256
-    // scalar walk spill).
+    // head h (h < ng) through q_row, rotated here if this step's RoPE is ours; the scalar walk
+    // loads each head where it uses it (loaded up front, the four rows' registers made the
+    // head-dim-256 walk spill).
     auto q_row = [&](int h) {
-        Row r = load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
+        Row r;
+        if constexpr (MMA) {
+            r = qraw[h];
+        } else {
+            r = load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
+        }
         if (a.pos) r = rope_row<DL>(r, rc, rs, lane);
         return r;
     };
-    const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale};
     const AttnWarpOut<D> out{sm_o[warp], sm_m[warp], sm_l[warp]};
     if constexpr (MMA) {
-        attn_walk_mma<DL, NS>(keys, q_row, lane, attn_ring + warp * NS * attn_mma_stage_bytes(DL), out);
+        attn_walk_mma<DL, NS>(keys, q_row, lane, ring, out, early, p >= s0 && p < s1 ? p : -1,
+                              reinterpret_cast<const half*>(sm_new));
     } else {
         attn_walk_scalar<DL>(keys, q_row, lane, out);
     }

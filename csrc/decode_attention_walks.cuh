@@ -259,9 +259,50 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// Steps of 16 keys in a warp's share.
+__device__ __forceinline__ int attn_mma_steps(const AttnWarpKeys& w) {
+    return w.j_end > w.j_begin ? (w.j_end - w.j_begin + kAttnMmaKeys - 1) / kAttnMmaKeys : 0;
+}
+// Step t's K and V rows into ring stage t % NS (chunk c of row r at c ^ (r & 7); rows past j_end
+// read nothing: zero fill). Every call commits a group, so the waits count alike.
+template <int DL, int NS>
+__device__ __forceinline__ void attn_mma_issue(const AttnWarpKeys& w, int lane, uint32_t ring_sa, int t, int nsteps) {
+    constexpr int D = 32 * DL, RC = D / 8, SB = attn_mma_stage_bytes(DL), VOFF = kAttnMmaKeys * RC * 16;
+    if (t < nsteps) {
+        const int j0 = w.j_begin + t * kAttnMmaKeys;
+        const uint32_t dst = ring_sa + (uint32_t)((t % NS) * SB);
+#pragma unroll
+        for (int c0 = 0; c0 < 2 * kAttnMmaKeys * RC; c0 += 32) {
+            const int c = c0 + lane;
+            const bool is_v = c >= kAttnMmaKeys * RC;
+            const int cw = is_v ? c - kAttnMmaKeys * RC : c;  // the chunk within K's or V's rows
+            const int r = cw / RC, ch = cw % RC;
+            const int j = j0 + r;
+            const half* src = (is_v ? w.v : w.k) - lane * DL + (size_t)(j < w.j_end ? j : j0) * w.kv_t + ch * 8;
+            const uint32_t at = dst + (is_v ? VOFF : 0) + (uint32_t)((r * RC + (ch ^ (r & 7))) * 16);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                         "r"(j < w.j_end ? 16 : 0));
+        }
+    }
+    cp_async_commit();
+}
+// The walk's prologue on its own, for a kernel that issues it before its PDL wait (the cache rows
+// of earlier steps are complete by then; see attn_walk_mma's `prefetched`).
+template <int DL, int NS>
+__device__ __forceinline__ void attn_mma_prefetch(const AttnWarpKeys& w, int lane, unsigned char* ring) {
+    const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+    const int nsteps = attn_mma_steps(w);
+#pragma unroll
+    for (int t = 0; t < NS - 1; ++t) attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps);
+}
+
 template <int DL, int NS, typename QRow>
+// prefetched: attn_mma_prefetch already issued the prologue; then the row of slot patch_slot (this
+// step's token, -1: none) is replaced by new_rows (its K row, then its V row, D halves each, in
+// shared memory) if the prologue fetched it.
 __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_row, int lane, unsigned char* ring,
-                                              const AttnWarpOut<32 * DL>& out) {
+                                              const AttnWarpOut<32 * DL>& out, bool prefetched = false,
+                                              long patch_slot = -1, const half* new_rows = nullptr) {
     static_assert(DL == 2 || DL == 4, "the tensor-core walk: D = 64 or 128");
     using Row = typename HalfRow<DL>::T;
     constexpr int D = 32 * DL;
@@ -274,9 +315,9 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
     const int g = lane >> 2, cq = lane & 3;       // MMA fragment coordinates
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
-    // The query heads through the ring's first KB into A fragments: row g = head g (rows 4..15
-    // zero), halves 16 ks + 2 cq (+1) and + 8.
-    half* sq = reinterpret_cast<half*>(ring);
+    // The query heads through the last stage's first KB into A fragments: row g = head g (rows
+    // 4..15 zero), halves 16 ks + 2 cq (+1) and + 8.
+    half* sq = reinterpret_cast<half*>(ring + (NS - 1) * SB);  // the stage the prologue leaves empty
 #pragma unroll
     for (int h = 0; h < kAttnHeads; ++h) *reinterpret_cast<Row*>(sq + h * D + lane * DL) = h < w.ng ? q_row(h) : Row{};
     __syncwarp();
@@ -289,30 +330,26 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
     }
     __syncwarp();  // the ring's stages overwrite sq next
 
-    const int nsteps = j_end > j_begin ? (j_end - j_begin + kAttnMmaKeys - 1) / kAttnMmaKeys : 0;
-    // Step t's K and V rows into stage t % NS; chunk c of row r at c ^ (r & 7); rows
-    // past j_end read nothing (zero fill). Every call commits a group, so the waits count alike.
-    auto issue = [&](int t) {
-        if (t < nsteps) {
-            const int j0 = j_begin + t * kAttnMmaKeys;
-            const uint32_t dst = ring_sa + (uint32_t)((t % NS) * SB);
+    const int nsteps = attn_mma_steps(w);
+    auto issue = [&](int t) { attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps); };
+    if (!prefetched) {
 #pragma unroll
-            for (int c0 = 0; c0 < 2 * kAttnMmaKeys * RC; c0 += 32) {
-                const int c = c0 + lane;
-                const bool is_v = c >= kAttnMmaKeys * RC;
-                const int cw = is_v ? c - kAttnMmaKeys * RC : c;  // the chunk within K's or V's rows
-                const int r = cw / RC, ch = cw % RC;
-                const int j = j0 + r;
-                const half* src = (is_v ? w.v : w.k) - lane * DL + (size_t)(j < j_end ? j : j0) * w.kv_t + ch * 8;
-                const uint32_t at = dst + (is_v ? VOFF : 0) + (uint32_t)((r * RC + (ch ^ (r & 7))) * 16);
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
-                             "r"(j < j_end ? 16 : 0));
-            }
+        for (int t = 0; t < NS - 1; ++t) issue(t);
+    }
+    // This step's token row (slot `patch_slot`, written by this kernel after its prefetch) into the
+    // stage the prologue fetched it to: the prefetch read the slot before the write.
+    if (prefetched && patch_slot >= j_begin && patch_slot < j_end && patch_slot < j_begin + (NS - 1) * kAttnMmaKeys) {
+        cp_async_wait<0>();
+        __syncwarp();
+        const int t = (patch_slot - j_begin) / kAttnMmaKeys, r = (patch_slot - j_begin) % kAttnMmaKeys;
+        unsigned char* st = ring + (t % NS) * SB;
+        for (int c = lane; c < 2 * RC; c += 32) {  // K's chunks, then V's
+            const int ch = c % RC;
+            const uint4 v = reinterpret_cast<const uint4*>(new_rows + (c / RC) * D)[ch];
+            *reinterpret_cast<uint4*>(st + (c / RC) * VOFF + (r * RC + (ch ^ (r & 7))) * 16) = v;
         }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int t = 0; t < NS - 1; ++t) issue(t);
+        __syncwarp();
+    }
 
     // ldmatrix rows: K (non-transposed, B of the scores): lane t reads key (t >> 4) * 8 + (t & 7),
     // chunk 2 ks + ((t >> 3) & 1); V (transposed, B of the output): key ((t >> 3) & 1) * 8 + (t & 7),
