@@ -9,7 +9,10 @@ read rate of a plain reduction over 1 GiB measured in the same run. `cold` (the 
 through enough caches that each call reads its K and V from DRAM, as a decode step does (every
 layer has its own cache). Paths: `mma` our kernel's tensor-core key walk (shipped for head dims
 64 and 128), `scalar` its scalar walk (everywhere before session 19; head dim 256), `sdpa`
-torch's scaled_dot_product_attention on the same tensors (the engine's fallback).
+torch's scaled_dot_product_attention on the same tensors (the engine's fallback), `capped`
+engine.models.layers.capped_attention (the fallback where scores are soft-capped, which SDPA
+cannot do). `--softcap C` caps the scores as Gemma 2 does (sdpa then has nothing to offer and is
+left out); Gemma-2-9B's heads: `--heads 16 --kv-heads 8 --dim 256 --softcap 50`.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ def read_rate_gbps(nbytes: int = 1 << 30) -> float:
 
 
 def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bool, calls: int, warmup: int,
-                floor_gbps: float, mma_one_split: int):
+                floor_gbps: float, mma_one_split: int, softcap: float | None = None):
     from engine import ops
+    from engine.models.layers import capped_attention
 
     ext = ops.extension()
     g = torch.Generator(device="cuda").manual_seed(slots)
@@ -40,11 +44,20 @@ def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bo
                torch.randn(1, kv_heads, slots, dim, generator=g, device="cuda").half()) for _ in range(n)]
     q = torch.randn(1, heads, 1, dim, generator=g, device="cuda").half()
     scale = dim ** -0.5
-    want = torch.nn.functional.scaled_dot_product_attention(q, caches[0][0], caches[0][1], scale=scale,
-                                                            enable_gqa=True)
+    if softcap is None:
+        want = torch.nn.functional.scaled_dot_product_attention(q, caches[0][0], caches[0][1], scale=scale,
+                                                                enable_gqa=True)
+    else:
+        want = capped_attention(q.float(), caches[0][0].float(), caches[0][1].float(), None, scale, softcap)
     rows = []
     for path in paths:
-        if path == "sdpa":
+        if (path == "sdpa" and softcap is not None) or (path == "capped" and softcap is None):
+            continue  # SDPA cannot cap scores; capped_attention is the fallback for capped ones
+        if path == "capped":
+            def call(i):
+                k, v = caches[i % n]
+                return capped_attention(q, k, v, None, scale, softcap)
+        elif path == "sdpa":
             def call(i):
                 k, v = caches[i % n]
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
@@ -53,14 +66,15 @@ def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bo
 
             def call(i):
                 k, v = caches[i % n]
-                return ops.decode_attention(q, k, v, None, scale)
+                return ops.decode_attention(q, k, v, None, scale, softcap=softcap)
         got = call(0)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         us = time_calls(call, calls, warmup)
         row = {"bench": "attention", "path": path, "slots": slots, "heads": heads, "kv_heads": kv_heads, "dim": dim,
-               "cold": cold, "mma_one_split": mma_one_split, "us": round(us, 2), "kv_MB": round(kv_bytes / 1e6, 2),
-               "GBps": round(kv_bytes / us / 1e3, 1), "floor_us": round(kv_bytes / floor_gbps / 1e3, 2),
-               "check_rel_rms_vs_sdpa": round(err, 6)}
+               "softcap": softcap, "cold": cold, "mma_one_split": mma_one_split, "us": round(us, 2),
+               "kv_MB": round(kv_bytes / 1e6, 2), "GBps": round(kv_bytes / us / 1e3, 1),
+               "floor_us": round(kv_bytes / floor_gbps / 1e3, 2),
+               "check_rel_rms_vs_" + ("sdpa" if softcap is None else "capped_fp32"): round(err, 6)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
@@ -70,7 +84,8 @@ def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", nargs="+", type=int, default=[256, 1024, 4096, 8192, 16384, 32768])
-    ap.add_argument("--paths", nargs="+", default=["mma", "scalar", "sdpa"], choices=["mma", "scalar", "sdpa"])
+    ap.add_argument("--paths", nargs="+", default=["mma", "scalar", "sdpa"], choices=["mma", "scalar", "sdpa", "capped"])
+    ap.add_argument("--softcap", type=float, default=None, help="cap the scores as Gemma 2 does (e.g. 50)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
@@ -92,7 +107,7 @@ def main(argv=None) -> int:
                       "read_GBps": round(floor, 1)}), flush=True)
     for slots in args.slots:
         bench_slots(slots, args.paths, args.heads, args.kv_heads, args.dim, args.cache == "cold", args.calls,
-                    args.warmup, floor, one_split)
+                    args.warmup, floor, one_split, args.softcap)
     return 0
 
 

@@ -30,16 +30,61 @@ class Shape:
     kv_heads: int
     vocab: int
     head_dim: int = 128
+    family: str = "llama"  # or "gemma2": its four norms per layer, tied embedding, soft caps
 
 
 SHAPES = {
     "llama3-8b": Shape(4096, 14336, 32, 32, 8, 128256),
     "llama3-70b": Shape(8192, 28672, 80, 64, 8, 128256),
     "tiny": Shape(256, 768, 2, 4, 2, 512, 64),
+    # Gemma-2-9B: head dim 256, scores soft-capped at 50, a 4,096-token window on alternate layers
+    "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, 256, "gemma2"),
+    "tiny-gemma2": Shape(256, 768, 2, 4, 2, 512, 64, "gemma2"),
 }
 
 
+def quantization_config(bits: float, head_bits: int, codebook: str) -> dict:
+    return {
+        "quant_method": "exl3",
+        "version": "synthetic",
+        "bits": float(bits),
+        "head_bits": head_bits,
+        "codebook": codebook,
+        "calibration": {"rows": 0, "cols": 0},
+        "out_scales": "always",
+    }
+
+
+def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    return {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "query_pre_attn_scalar": shape.head_dim,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        "quantization_config": quantization_config(bits, head_bits, codebook),
+    }
+
+
 def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    if shape.family == "gemma2":
+        return gemma2_config(shape, bits, head_bits, codebook)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -65,15 +110,7 @@ def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
-        "quantization_config": {
-            "quant_method": "exl3",
-            "version": "synthetic",
-            "bits": float(bits),
-            "head_bits": head_bits,
-            "codebook": codebook,
-            "calibration": {"rows": 0, "cols": 0},
-            "out_scales": "always",
-        },
+        "quantization_config": quantization_config(bits, head_bits, codebook),
     }
 
 
@@ -101,14 +138,16 @@ def synth_modules(shape: Shape, bits: float, head_bits: int, codebook: str, seed
     never needs to sit in memory at once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
+    # Gemma's norms scale by (1 + w)
+    unit_norm = lambda n: torch.full((n,), 0.0 if shape.family == "gemma2" else 1.0, dtype=torch.bfloat16, device=device)  # noqa: E731
     yield [("model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=gen, device=device) * 0.02).bfloat16())]
     kq, ko, kgu, kd = layer_bits(bits)
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
-        tensors = [
-            (f"{p}.input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16, device=device)),
-            (f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16, device=device)),
-        ]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if shape.family == "gemma2":
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        tensors = [(f"{p}.{n}.weight", unit_norm(h)) for n in norms]
         for name, n_in, n_out, K in [
             ("self_attn.q_proj", h, shape.heads * hd, kq),
             ("self_attn.k_proj", h, shape.kv_heads * hd, kq),
@@ -120,7 +159,7 @@ def synth_modules(shape: Shape, bits: float, head_bits: int, codebook: str, seed
         ]:
             tensors += list(exl3_linear(f"{p}.{name}", n_in, n_out, K, codebook, gen, device))
         yield tensors
-    head = [("model.norm.weight", torch.ones(h, dtype=torch.bfloat16, device=device))]
+    head = [("model.norm.weight", unit_norm(h))]
     head += list(exl3_linear("lm_head", h, shape.vocab, head_bits, codebook, gen, device))
     yield head
 

@@ -619,12 +619,12 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 
 
 // One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
-// strides), mask additive fp16 [1 or B, S] or none; counters (int32, zero, left zero) are the
-// caller's persistent scratch. Returns out [B, H, 1, D].
+// strides), mask additive fp16 [1 or B, S] or none; softcap: Gemma 2's score cap (0: none);
+// counters (int32, zero, left zero) are the caller's persistent scratch. Returns out [B, H, 1, D].
 // next (decode chain into o_proj, B = 1, D = 128): [xb, scales, csum, suh] of o_proj's input
 // (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               c10::optional<torch::Tensor> mask, double scale, torch::Tensor counters,
+                               c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
                                std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
@@ -667,6 +667,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.out = hptr_mut(out), a.o_b = (long)(H * D), a.o_h = (long)D;
     a.ws = ws_floats > 0 ? ws.data_ptr<float>() : nullptr, a.counters = counters.data_ptr<int32_t>();
     a.scale = (float)scale;
+    TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "decode_attention: softcap must be finite and >= 0 (0: none)");
+    a.softcap = (float)softcap;
     a.early_trigger = trellis::early_trigger_setting() == 1;
     a.merge_online = trellis::attn_merge_online_setting();
     if (!next.empty()) {

@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "decode_attention_walks.cuh"
 #include "exl3_mm.cuh"    // pdl helpers, launch_pdl, fence_acq_rel_gpu
 #include "exl3_prep.cuh"  // lane_xh, store_i8_chunk (the chain into o_proj)
@@ -56,7 +58,9 @@ __device__ __forceinline__ typename HalfRow<DL>::T rope_row(typename HalfRow<DL>
 // Blocks per SM: the tensor-core walk's ring takes most of an SM's shared memory, so one; the
 // scalar walk two, which caps it at 128 registers (at head dim 256 ptxas would otherwise take 172
 // and one block per SM: 17% slower at 32,768 slots, csrc/PERF_NOTES.md session 19).
-template <int DL, bool MMA, int NS = kAttnMmaMaxStages>
+// CAP: Gemma 2's score soft cap (a.softcap > 0), a variant of its own so the other models' walks
+// keep their registers (the head-dim-256 scalar walk is at its cap of 128).
+template <int DL, bool CAP, bool MMA, int NS = kAttnMmaMaxStages>
 __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention_kernel(const DecodeAttnArgs a) {
     constexpr int D = 32 * DL;
     extern __shared__ __align__(128) unsigned char attn_ring[];
@@ -87,7 +91,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     uint2 next_s = make_uint2(0u, 0u);
     if (DL == 4 && a.next_xb && warp < ng)
         next_s = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + lane * DL));
-    const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale};
+    const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale, a.softcap * kLog2e};
     unsigned char* ring = attn_ring + warp * NS * attn_mma_stage_bytes(DL);
     // MMA with this step's RoPE ours (a.pos): the walk's first stages before the wait. The cache
     // rows of earlier steps were written by kernels that completed before this grid started (its
@@ -143,10 +147,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     };
     const AttnWarpOut<D> out{sm_o[warp], sm_m[warp], sm_l[warp]};
     if constexpr (MMA) {
-        attn_walk_mma<DL, NS>(keys, q_row, lane, ring, out, early, p >= s0 && p < s1 ? p : -1,
+        attn_walk_mma<DL, CAP, NS>(keys, q_row, lane, ring, out, early, p >= s0 && p < s1 ? p : -1,
                               reinterpret_cast<const half*>(sm_new));
     } else {
-        attn_walk_scalar<DL>(keys, q_row, lane, out);
+        attn_walk_scalar<DL, CAP>(keys, q_row, lane, out);
     }
     __syncthreads();
     const int g = warp;  // warps 0..3 merge one head each; the others only take part in the count
@@ -362,18 +366,22 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         return launch_pdl_smem(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
     const int ns = decode_attention_mma_stages(a);
-    switch (a.D) {
-        case 64:
-            if (ns == 3) return with_ring(decode_attention_kernel<2, true, 3>, attn_mma_smem_bytes(2, 3));
-            if (ns == 2) return with_ring(decode_attention_kernel<2, true, 2>, attn_mma_smem_bytes(2, 2));
-            return launch_pdl(decode_attention_kernel<2, false>, grid, block, 0, stream, pdl, a);
-        case 128:
-            if (ns == 3) return with_ring(decode_attention_kernel<4, true, 3>, attn_mma_smem_bytes(4, 3));
-            if (ns == 2) return with_ring(decode_attention_kernel<4, true, 2>, attn_mma_smem_bytes(4, 2));
-            return launch_pdl(decode_attention_kernel<4, false>, grid, block, 0, stream, pdl, a);
-        case 256: return launch_pdl(decode_attention_kernel<8, false>, grid, block, 0, stream, pdl, a);
-        default: return cudaErrorInvalidValue;
-    }
+    auto run = [&](auto cap) {
+        constexpr bool C = decltype(cap)::value;
+        switch (a.D) {
+            case 64:
+                if (ns == 3) return with_ring(decode_attention_kernel<2, C, true, 3>, attn_mma_smem_bytes(2, 3));
+                if (ns == 2) return with_ring(decode_attention_kernel<2, C, true, 2>, attn_mma_smem_bytes(2, 2));
+                return launch_pdl(decode_attention_kernel<2, C, false>, grid, block, 0, stream, pdl, a);
+            case 128:
+                if (ns == 3) return with_ring(decode_attention_kernel<4, C, true, 3>, attn_mma_smem_bytes(4, 3));
+                if (ns == 2) return with_ring(decode_attention_kernel<4, C, true, 2>, attn_mma_smem_bytes(4, 2));
+                return launch_pdl(decode_attention_kernel<4, C, false>, grid, block, 0, stream, pdl, a);
+            case 256: return launch_pdl(decode_attention_kernel<8, C, false>, grid, block, 0, stream, pdl, a);
+            default: return cudaErrorInvalidValue;
+        }
+    };
+    return a.softcap > 0.f ? run(std::true_type{}) : run(std::false_type{});
 }
 
 }  // namespace trellis

@@ -88,8 +88,9 @@ __device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
 
 // A warp's share of a block's keys: K and V rows j_begin .. j_end - 1 of one kv head (this lane's
 // D/32 halves of row j at k + j * kv_t), the sequence's additive mask row (or null), how many of the
-// block's kAttnHeads query heads are real, the softmax scale. The walks read query head h < ng
-// through q_row(h): the lane's D/32 halves of its row.
+// block's kAttnHeads query heads are real, the softmax scale, and the soft cap in the walks'
+// base-2 units (softcap * log2 e; read where the walk's CAP is set). The walks read query head h < ng through q_row(h): the
+// lane's D/32 halves of its row.
 struct AttnWarpKeys {
     const half* k;
     const half* v;
@@ -97,7 +98,13 @@ struct AttnWarpKeys {
     long kv_t;
     int j_begin, j_end, ng;
     float scale;
+    float cap2;
 };
+
+// Gemma 2's soft cap of a base-2 score s (scale and log2 e included): cap2 * tanh(s / cap2), the
+// natural-units softcap * tanh(score / softcap) in base-2 units. tanhf (a few ulp), not
+// tanh.approx: its 2^-11 relative error would move a capped score near 50 by ~0.02 before exp.
+__device__ __forceinline__ float attn_softcap2(float s, float cap2) { return cap2 * tanhf(s / cap2); }
 // Where a warp leaves its result for the block's merge: o [kAttnHeads][D] (unnormalized), and per
 // head the running max (base 2) and sum.
 template <int D>
@@ -110,7 +117,7 @@ struct AttnWarpOut {
 // The scalar walk: a lane owns D/32 dimensions, so every K and V row is one coalesced read; the
 // 32 partial dot products of a step (4 heads x 8 keys) are summed across lanes with a transposing
 // butterfly (31 shuffles, lane l ends with sum l). Lane l tracks head l / 8.
-template <int DL, typename QRow>
+template <int DL, bool CAP, typename QRow>
 __device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q_row, int lane,
                                                  const AttnWarpOut<32 * DL>& out) {
     const half* kp = w.k;
@@ -175,7 +182,9 @@ __device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q
                     part[g * kAttnKeys + i] = acc;
                 }
             }
-            float s = transpose_sum32(part, lane) + mk[h];  // head my_head, key my_key
+            float s = transpose_sum32(part, lane);  // head my_head, key my_key
+            if constexpr (CAP) s = attn_softcap2(s, w.cap2);
+            s += mk[h];
             if (my_head >= w.ng) s = -INFINITY;
             float bmax = s;
 #pragma unroll
@@ -296,7 +305,7 @@ __device__ __forceinline__ void attn_mma_prefetch(const AttnWarpKeys& w, int lan
     for (int t = 0; t < NS - 1; ++t) attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps);
 }
 
-template <int DL, int NS, typename QRow>
+template <int DL, bool CAP, int NS, typename QRow>
 // prefetched: attn_mma_prefetch already issued the prologue; then the row of slot patch_slot (this
 // step's token, -1: none) is replaced by new_rows (its K row, then its V row, D halves each, in
 // shared memory) if the prologue fetched it.
@@ -395,7 +404,11 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
         for (int kt = 0; kt < 2; ++kt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
+                if constexpr (CAP) {
+                    s4[kt][e] = attn_softcap2(sc[kt][e] * qscale, w.cap2) + mk[kt][e];
+                } else {
+                    s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
+                }
                 mx = fmaxf(mx, s4[kt][e]);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

@@ -299,6 +299,9 @@ struct DecodeAttnArgs {
     int* counters = nullptr;
     int B = 0, Hkv = 0, G = 0, S = 0, D = 0, n_split = 1;
     float scale = 1.f;
+    // Gemma 2's soft cap: each score s (scale included) becomes softcap * tanh(s / softcap)
+    // before the mask and the softmax; 0: none.
+    float softcap = 0.f;
     bool early_trigger = false;  // see set_early_trigger (mode 1)
     // Several splits: their partials merge in one pass with a running max (false: the max first,
     // then the sums, as before session 15; set_attn_merge_online).

@@ -20,3 +20,25 @@ def test_tiny_synthetic_model_is_valid_exl3(tmp_path):
     w = q.dense_weight()
     rms = w.pow(2).mean().sqrt().item()
     assert 0.5 * 256**-0.5 < rms < 2 * 256**-0.5
+
+
+def test_synthetic_gemma2_loads_with_its_norms_and_caps(tmp_path):
+    """The Gemma-2 shape (bench.decode --shape gemma2-9b) writes what the Gemma loader needs: four
+    norms per layer stored as offsets from 1, a quantized head beside the tied embedding, the soft
+    caps; a forward gives finite logits through both caps."""
+    import torch
+
+    from engine.models import load_model
+
+    out = write_synth_model(tmp_path / "g", SHAPES["tiny-gemma2"], bits=4.0, head_bits=6)
+    model = load_model(out, device="cpu", dtype=torch.float32)
+    assert model.config.family == "gemma2" and model.final_softcap == 30.0
+    assert {layer.self_attn.softcap for layer in model.layers} == {50.0}
+    assert find_exl3(TensorStore(out), "lm_head").K == 6
+    layer = model.layers[0]
+    ones = torch.ones(1, 256)
+    assert torch.allclose(layer.pre_feedforward_layernorm(ones), ones, atol=1e-5)  # (1 + 0) x / rms(x)
+    with torch.inference_mode():
+        logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all()
+    assert logits.abs().max() <= 30.0 and logits.std() > 0.1

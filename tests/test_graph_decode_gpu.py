@@ -95,6 +95,42 @@ def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatc
         assert same_top(a, b)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gemma2_soft_capped_steps_take_the_kernel(head_dim, tmp_path, monkeypatch):
+    """Gemma 2's decode steps (soft-capped scores, a sliding window on alternate layers) run on
+    the decode-attention kernel in fp16, and replay the logits of capped_attention (the kernel
+    switched off, the path every capped step took before session 20)."""
+    tf = pytest.importorskip("transformers")
+    from engine import ops
+    from tests.test_models_vs_transformers import TINY, _build
+
+    cfg = tf.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=head_dim, query_pre_attn_scalar=24,
+                          sliding_window=36, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    _build("Gemma2ForCausalLM", cfg, tmp_path)
+    model = load_model(tmp_path, device="cuda", dtype=torch.float16)
+    assert {layer.self_attn.softcap for layer in model.layers} == {2.0}
+    served = []
+    real = ops.decode_attention
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        served.append(out is not None and kwargs.get("softcap") == 2.0)
+        return out
+
+    monkeypatch.setattr(ops, "decode_attention", counting)
+    g = torch.Generator().manual_seed(head_dim)
+    ids = torch.randint(0, model.config.vocab_size, (1, 44), generator=g).cuda()
+    logits = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(ops, "ATTN_KERNEL", kernel)
+        served.clear()
+        logits[kernel] = replayed_logits(model, ids)
+        assert (bool(served) and all(served)) if kernel else not any(served)
+    for a, b in zip(logits[True], logits[False]):
+        assert _rel_rms(a, b) < 1e-2
+        assert same_top(a, b)
+
+
 def test_attention_kernel_does_the_decode_steps_rope(fixture_model, monkeypatch):
     """With TRELLIS_ATTN_ROPE (the default) a decode step runs no RoPE kernel: the attention
     kernel rotates q and k and writes the cache. Replayed steps give the logits of the step with

@@ -472,11 +472,13 @@ def test_rope_store_matches_rope_then_cache_write():
 
 @pytest.mark.parametrize("D,H,Hk,B", [(128, 32, 8, 1), (64, 9, 3, 2), (256, 8, 8, 1), (128, 28, 4, 2)])
 @pytest.mark.parametrize("span,pos", [(256, 0), (256, 200), (4096, 37), (4096, 4095), (17, 16)])
-def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos):
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos, cap):
     """The decode attention kernel doing the step's RoPE and cache write itself (PendingRope): the
     same cache bits and the same output bits as the RoPE-and-store kernel followed by the plain
     attention kernel, whichever split holds the token's slot (one split or many), with grouped
-    heads split into blocks of 4 (several blocks write the same kv head's slot)."""
+    heads split into blocks of 4 (several blocks write the same kv head's slot), and with Gemma
+    2's soft cap."""
     g = torch.Generator(device=DEV).manual_seed(D + H + span + pos)
     qkv = torch.randn(B, 1, (H + 2 * Hk) * D, generator=g, device=DEV).half()
     cos = torch.randn(1, D, generator=g, device=DEV).half()
@@ -494,11 +496,11 @@ def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, p
     q, k, v = split(qkv.clone())
     rope = ops.PendingRope(q.transpose(1, 2), caches[0][:, :, :span], caches[1][:, :, :span], k, v, cos, sin, position)
     assert rope.serves(mask)
-    got = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope)
+    got = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap)
     wq, wk, wv = split(qkv.clone())
     ops.rope_qk_store(wq, wk, wv, cos, sin, want_caches[0], want_caches[1], position)
     want = ops.decode_attention(wq.transpose(1, 2), want_caches[0][:, :, :span], want_caches[1][:, :, :span], mask,
-                                D ** -0.5)
+                                D ** -0.5, softcap=cap)
     assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
     assert torch.equal(got, want)
     assert torch.equal(q, split(qkv)[0])  # q itself is left as it was
@@ -703,6 +705,42 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
             want = one_query_attention(q.float(), k.float(), v.float(), ref_mask, scale)
             assert rel_rms(got, want) < 2e-3, (mask is None, rel_rms(got, want))
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
+
+
+@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 16, 1), (256, 16, 8, 1), (64, 9, 3, 2), (256, 8, 4, 2)])
+@pytest.mark.parametrize("S", [1, 37, 256, 4100])
+def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):
+    """Gemma 2's soft cap (scores -> softcap * tanh(scores / softcap) before the mask) in the
+    kernel against the fp32 reference: the tensor-core and the scalar walks at head dims 64 and
+    128, the scalar walk at 256, with and without masks, one split and many. A cap of 1.5 squashes
+    most scores here, so a kernel that skipped it would be far off."""
+    from engine.models.layers import one_query_attention
+
+    g = torch.Generator(device=DEV).manual_seed(S + D + H + 1)
+    k = torch.randn(B, Hkv, S + 3, D, generator=g, device=DEV).half()[:, :, :S]
+    v = torch.randn(B, Hkv, S + 3, D, generator=g, device=DEV).half()[:, :, :S]
+    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
+    scale, cap = 0.25, 1.5
+    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    window[:, : S // 2] = float("-inf")
+    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
+    per_row[-1, S // 3 + 1:] = float("-inf")
+    ext = ops.extension()
+    try:
+        for mma_slots, mask in itertools.product((1, 0), (None, window, per_row)):
+            ext.set_attn_mma_slots(mma_slots)
+            got = ops.decode_attention(q, k, v, mask, scale, softcap=cap)
+            ref_mask = None if mask is None else mask.float()[:, None, None, :]
+            want = one_query_attention(q.float(), k.float(), v.float(), ref_mask, scale, cap)
+            assert rel_rms(got, want) < 2e-3, (mma_slots, mask is None, rel_rms(got, want))
+            if S > 1:
+                plain = one_query_attention(q.float(), k.float(), v.float(), ref_mask, scale)
+                assert rel_rms(plain, want) > 2e-2  # the cap matters in this case
+    finally:
+        ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            ops.decode_attention(q, k, v, None, scale, softcap=bad)
 
 
 def _split_attention_case(S: int, seed: int, H: int = 32, Hkv: int = 8, D: int = 128, B: int = 1):

@@ -77,7 +77,7 @@ class Attention(nn.Module):
         rope = None
         if T == 1 and isinstance(cache, StaticKVCache):  # a decode step
             rope = cache.pending_rope(self.layer, q, k, v, cos, sin)
-            if self.softcap is None and rope.serves(mask):  # the attention kernel rotates and stores
+            if rope.serves(mask):  # the attention kernel rotates and stores
                 q, k, v = rope.q, rope.keys, rope.values
             else:  # RoPE and the cache write in one kernel of their own
                 q, k, v, rope = rope.apply(), rope.keys, rope.values, None
@@ -86,10 +86,10 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)
-        if self.defer_output and self.softcap is None and getattr(self.o_proj, "compressed", False):
+        if self.defer_output and getattr(self.o_proj, "compressed", False):
             # one decode row: the attention kernel writes o_proj's input, o_proj stays deferred
             chained = ops.attention_into_chain(q, k, v, mask, self.scale, self.o_proj.exl3, self.o_proj.out_features,
-                                               rope)
+                                               rope, self.softcap)
             if chained is not None:
                 return chained[1]
         out = attention(q, k, v, mask, self.scale, self.softcap, rope)

@@ -216,44 +216,69 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q [B, H, T, D]; k, v [B, Hkv, S, D] with the T queries at the last T of the S positions.
     `mask` is a bool [T, S] (True = may attend), an additive float one, or None for plain causal
     attention.
-    Soft-capping (Gemma 2) squashes the scores before softmax, which SDPA cannot do, so that
-    case runs the same math by hand. `rope`: the step's RoPE and cache write, which the decode
-    kernel does along (q is then unrotated; ops.PendingRope).
+    Soft-capping (Gemma 2) squashes the scores before softmax: the decode kernel does it; SDPA
+    cannot, so other calls run capped_attention. `rope`: the step's RoPE and cache write, which
+    the decode kernel does along (q is then unrotated; ops.PendingRope).
     """
     groups = q.shape[1] // k.shape[1]
     T, S = q.shape[2], k.shape[2]
-    if rope is not None and not (softcap is None and T == 1 and q.is_cuda):
+    if rope is not None and not (T == 1 and q.is_cuda):
         q, rope = rope.apply(), None  # left to a kernel that is not going to run
     if mask is None and T > 1 and T != S:
         mask = causal_mask(S - T, T, None, q.device)
 
-    if softcap is None and T == 1 and q.device.type == "cpu":
-        return one_query_attention(q, k, v, mask, scale)
-    if softcap is None and T == 1 and q.is_cuda:
-        out = ops.decode_attention(q, k, v, mask, scale, rope=rope)  # None: not a layout the kernel takes
+    if T == 1 and q.device.type == "cpu":
+        return one_query_attention(q, k, v, mask, scale, softcap)
+    if T == 1 and q.is_cuda:
+        out = ops.decode_attention(q, k, v, mask, scale, rope=rope, softcap=softcap)  # None: not a layout it takes
         if out is not None:
             return out
+    if softcap is not None:
+        return capped_attention(q, k, v, mask, scale, softcap)
 
-    if softcap is None:
-        kwargs = {"scale": scale}
-        if groups > 1 and SDPA_GQA:
-            kwargs["enable_gqa"] = True
-        elif groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
-        # T == 1 sees every cached position; T == S is the plain causal square
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, **kwargs)
-
-    if groups > 1:
+    kwargs = {"scale": scale}
+    if groups > 1 and SDPA_GQA:
+        kwargs["enable_gqa"] = True
+    elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    # T == 1 sees every cached position; T == S is the plain causal square
+    return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, **kwargs)
+
+
+# What capped_attention's scores may take at once. Whole, Gemma-2-9B's 16 heads over an 8,192-token
+# prompt would hold 16 x 8,192^2 scores per layer three times over (fp32 scores and probabilities,
+# their fp16 copy): ~11 GB, more than most GPUs have free.
+CAPPED_SCORES_BYTES = 256 << 20
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, softcap: float, scores_bytes: int = CAPPED_SCORES_BYTES) -> torch.Tensor:
+    """Attention with Gemma 2's soft cap by hand: softmax(softcap * tanh(scale q.k / softcap) +
+    mask) v, in chunks of queries whose scores fit `scores_bytes`. Grouped heads are folded into
+    the query axis (as in one_query_attention), so K and V are read in place, never copied per
+    head. Shapes and mask as `attention`'s (None: causal)."""
+    B, H, T, D = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    groups = H // kv_heads
     if mask is None:
         mask = causal_mask(S - T, T, None, q.device)
-    scores = apply_mask(scores, mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if mask.dim() == 4:  # [B or 1, H or 1, T, S] -> the folded layout
+        mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, groups, T, S)
+    qg = q.reshape(B, kv_heads, groups, T, D)
+    keys_t = k.transpose(2, 3).unsqueeze(2)  # [B, Hkv, 1, D, S]
+    values = v.unsqueeze(2)  # [B, Hkv, 1, S, D]
+    out = q.new_empty(B, kv_heads, groups, T, D)
+    rows = max(1, scores_bytes // (B * H * S * (8 + q.element_size())))
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        scores = torch.matmul(qg[:, :, :, t0:t1], keys_t).float() * scale  # [B, Hkv, groups, t, S]
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = apply_mask(scores, mask[..., t0:t1, :] if mask.shape[-2] == T else mask)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out[:, :, :, t0:t1] = torch.matmul(probs, values)
+    return out.reshape(B, H, T, D)
 
 
 def apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -264,14 +289,17 @@ def apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float) -> torch.Tensor:
+                        scale: float, softcap: float | None = None) -> torch.Tensor:
     """One decode query per row on the CPU, where SDPA's kernels cost ~20x more than two small
     matmuls. Grouped heads are folded into the query axis so K/V are never copied. `mask` is None
-    or [1, S] (a sliding window, or the static cache's not-yet-written slots)."""
+    or [1, S] (a sliding window, or the static cache's not-yet-written slots); `softcap` is Gemma
+    2's (scores -> softcap * tanh(scores / softcap) before the mask)."""
     B, H, _, D = q.shape
     kv_heads = k.shape[1]
     qg = q.reshape(B, kv_heads, H // kv_heads, D)
     scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [B, Hkv, groups, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = apply_mask(scores, mask)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)

@@ -6,6 +6,7 @@ The reference paths are the specification the kernels are tested against; they r
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -292,12 +293,15 @@ def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None,
-                     rope: PendingRope | None = None) -> torch.Tensor | None:
+                     rope: PendingRope | None = None, softcap: float | None = None) -> torch.Tensor | None:
     """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
     (grouped heads read in place), mask additive [1 or B, S] or None. With `rope` (whose q, keys
     and values these are, rope.serves(mask) checked) the kernel first rotates q and writes the
-    token's k and v into the cache. None when the kernel does not take these tensors; the caller
-    then runs SDPA (models/layers.attention)."""
+    token's k and v into the cache. `softcap` (Gemma 2): each score s becomes
+    softcap * tanh(s / softcap) before the mask. None when the kernel does not take these tensors;
+    the caller then runs its own path (models/layers.attention)."""
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"decode_attention: softcap must be a positive finite number, not {softcap}")
     if rope is not None:
         if not (q is rope.q and k is rope.keys and v is rope.values and rope.serves(mask)):
             raise ValueError("decode_attention: a pending RoPE goes with its own q, keys and values, in a layout the kernel takes")
@@ -307,7 +311,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # query heads): B x H is always enough.
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
     nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
-    return extension().decode_attention(q, k, v, mask, float(scale), counters, nxt, [] if rope is None else rope.tensors())
+    return extension().decode_attention(q, k, v, mask, float(scale), float(softcap or 0.0), counters, nxt,
+                                        [] if rope is None else rope.tensors())
 
 
 # ------------------------------------------------------------------------------------------

@@ -143,8 +143,8 @@ class Deferred:
 
 
 def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, o, out_features: int,
-                         rope: "ops.PendingRope | None" = None) -> "tuple[torch.Tensor, Deferred] | None":
+                         scale: float, o, out_features: int, rope: "ops.PendingRope | None" = None,
+                         softcap: float | None = None) -> "tuple[torch.Tensor, Deferred] | None":
     """One decode step's attention (ops.decode_attention, with the step's RoPE where `rope`) whose
     kernel also writes o_proj's int8 input, and o_proj on it as a Deferred: no prep kernel for
     o_proj. q [1, H, 1, 128]. None where the chain does not serve (the caller runs the plain path)."""
@@ -154,7 +154,7 @@ def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
             and ops._decode_attention_serves(q, k, v, mask)):
         return None
     target = PreparedInput.empty(1, n, q.device)
-    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope)
+    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope, softcap)
     return out, Deferred(target, o, out_features, q.dtype, (B, T))
 
 
