@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.cache.contiguous import KVCache
 from engine.io.hf_config import ModelConfig
 from engine.models.base import CausalLM
@@ -47,8 +48,20 @@ class GemmaLayer(nn.Module):
         self.post_feedforward_layernorm = load.norm(f"{key}.post_feedforward_layernorm", h, eps, unit_offset=True)
 
     def forward(self, x, cos, sin, mask, cache):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x, mlp_out = self.residual_forward(x, None, cos, sin, mask, cache)
+        return x + mlp_out
+
+    def residual_forward(self, x, pending, cos, sin, mask, cache):
+        """(residual stream, this layer's normed MLP output not yet added to it), as
+        DecoderLayer.residual_forward: each residual add rides with the norm after it, `pending`
+        (the previous layer's) with this layer's input norm, the normed attention output with the
+        pre-feedforward norm; on the GPU both run in the prep of the grouped product that reads
+        them. The post-attention and post-feedforward norms are kernels of their own."""
+        h = self.input_layernorm.pending(x) if pending is None else self.input_layernorm.pending(pending, x)
+        a = self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache))
+        h = self.pre_feedforward_layernorm.pending(a, ops.as_sum(h))
+        out = self.post_feedforward_layernorm(self.mlp(h))
+        return ops.as_sum(h), out
 
 
 class GemmaLM(CausalLM):
@@ -80,11 +93,12 @@ class GemmaLM(CausalLM):
         rope_global = self.rope(self.rotary_global, positions, cache)
         rope_local = self.rope(self.rotary_local, positions, cache) if self.rotary_local else rope_global
 
-        x = self.embed(input_ids)
+        x, pending = self.embed(input_ids), None
         for layer in self.layers:
             cos, sin = rope_local if layer.self_attn.is_local else rope_global
-            x = layer(x, cos, sin, masks[layer.self_attn.window], cache)
-        logits = self.head_logits(self.norm(x))
+            x, pending = layer.residual_forward(x, pending, cos, sin, masks[layer.self_attn.window], cache)
+        h = self.norm(x) if pending is None else self.norm.add_forward(pending, x)[0]
+        logits = self.head_logits(h)
 
         if cache is not None:
             cache.advance(input_ids.shape[1])

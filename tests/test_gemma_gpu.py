@@ -1,0 +1,52 @@
+"""Gemma on the GPU (pytest -m gpu): its (1 + w) norms run as the rms_norm kernel (or inside a
+grouped product's prep), not as eight PyTorch ops each, and an fp16 forward on the GPU gives the
+fp32 CPU model's logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine.models import load_model  # noqa: E402
+from tests.gpu_layers import same_top  # noqa: E402
+from tests.test_static_cache import decode_logits, tiny_model  # noqa: E402
+
+
+def _kernel_names(fn) -> list[str]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_norms_are_kernels_and_match_the_cpu(family, tmp_path):
+    """One fp16 decode step runs each of a layer's four norms (and Gemma 3's per-head q/k norms) as
+    one rms_norm kernel and no PyTorch reduction; prefill and steps on the GPU give the fp32 CPU
+    model's logits to fp16 rounding."""
+    cpu = tiny_model(family, tmp_path / "m")
+    gpu = load_model(tmp_path / "m", device="cuda", dtype=torch.float16)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, cpu.config.vocab_size, (1, 14), generator=g)
+    want = decode_logits(cpu, cpu.new_cache(1, 14), ids)
+    got = decode_logits(gpu, gpu.new_cache(1, 14), ids.cuda())
+    scale = max(w.abs().max().item() for w in want)
+    for o, w in zip(got, want):
+        assert (o.float().cpu() - w).abs().max().item() < 2e-2 * scale
+        assert same_top(o.float().cpu(), w)
+
+    cache = gpu.new_cache(1, 16)
+    with torch.inference_mode():
+        gpu(ids[:, :8].cuda(), cache)
+        names = _kernel_names(lambda: gpu(ids[:, 8:9].cuda(), cache))
+    layers = len(gpu.layers)
+    per_layer = 4 + (2 if family == "gemma3" else 0)  # input, post-attention, pre- and post-feedforward; q/k
+    assert sum("rms_norm_kernel" in n for n in names) == layers * per_layer + 1  # + the final norm
+    assert not [n for n in names if "reduce_kernel" in n], "a norm ran as PyTorch ops"
