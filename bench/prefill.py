@@ -19,9 +19,29 @@ import torch.nn.functional as F
 from bench.decode import add_model_args, load_kind, model_dir_of
 
 
+class _LastPositionHead(torch.nn.Module):
+    """A model's head applied to the last position only."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h[:, -1:])
+
+
 def forward_last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Llama-style models: their layers one by one, as sessions 3-19 measured them. Others (Gemma)
+    run their own forward with the head swapped for one that reads the last position only."""
     from engine.models.layers import attention_mask
 
+    if not hasattr(model, "rotary"):
+        head = model.lm_head
+        model.lm_head = _LastPositionHead(head)
+        try:
+            return model(ids, cache)
+        finally:
+            model.lm_head = head
     T = ids.shape[1]
     positions = torch.arange(0, T, device=model.device)
     cos, sin = model.rotary(positions, model.dtype)
