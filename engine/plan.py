@@ -30,6 +30,10 @@ MiB = 1024 ** 2
 PAGE_SIZE = 256            # KV cache page, tokens (spec §6)
 CACHE_GROUP = 32           # values per quantization group (spec §6)
 PREFILL_CHUNK = 2048       # tokens pushed through the model at once during prefill
+# The most a soft-capped prefill's scores and probabilities take at once (Gemma 2's attention,
+# which SDPA cannot run): engine.models.layers.CAPPED_SCORES_BYTES, restated here to keep this
+# module free of torch; a test holds the two equal.
+CAPPED_SCORES_BYTES = 256 * MiB
 CUDA_CONTEXT_BYTES = 450 * MiB   # CUDA context + cuBLAS workspace + kernels, per GPU
 ALLOCATOR_SLACK = 0.03     # fragmentation share of weights + cache
 PAD = 128                  # EXL3 pads linear shapes to multiples of 128 (spec §1.5)
@@ -61,6 +65,7 @@ class ModelSpec:
     head_bits: int | None = None
     weights_exact: bool = True         # True when read from file headers, False when estimated
     vision: bool = False
+    softcapped_attention: bool = False  # Gemma 2: prefill attention holds score chunks (activation_bytes)
 
 
 @dataclass
@@ -154,8 +159,10 @@ def _shape_numbers(cfg: dict, name: str) -> dict:
     if min(hidden, layers, heads, kv_heads, head_dim, inter, vocab) <= 0:
         raise ConfigError(f"{name}: config.json has a non-positive dimension")
     archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+    gemma2 = t.get("model_type", cfg.get("model_type")) == "gemma2" or str(archs[0]) == "Gemma2ForCausalLM"
+    capped = t.get("attn_logit_softcapping", 50.0 if gemma2 else None) is not None
     return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                inter=inter, vocab=vocab, max_ctx=max_ctx, arch=str(archs[0]),
+                inter=inter, vocab=vocab, max_ctx=max_ctx, arch=str(archs[0]), capped=capped,
                 tied=bool(_first(t, "tie_word_embeddings", default=cfg.get("tie_word_embeddings", False))),
                 vision=isinstance(cfg.get("vision_config"), dict))
 
@@ -217,7 +224,8 @@ def spec_from_config(cfg: dict, name: str = "model", bits: float | None = None,
                      intermediate_size=n["inter"], num_heads=n["heads"], num_kv_heads=n["kv_heads"],
                      head_dim=n["head_dim"], vocab_size=n["vocab"], max_context=n["max_ctx"],
                      weight_bytes=weights, embedding_bytes=embed, parameters=params, bits=bits,
-                     head_bits=head_bits, weights_exact=False, vision=n["vision"])
+                     head_bits=head_bits, weights_exact=False, vision=n["vision"],
+                     softcapped_attention=n["capped"])
 
 
 def spec_from_dir(model_dir: str | Path) -> ModelSpec:
@@ -261,7 +269,9 @@ def activation_bytes(spec: ModelSpec, context: int, batch: int = 1, quantized_ca
 
     fp16 buffers for the residual stream, the normed input, q/k/v, the attention output and the
     MLP's gate+up pair; fp32 logits for the last token of each sequence. A quantized cache is
-    dequantized one layer at a time into an fp16 scratch for attention."""
+    dequantized one layer at a time into an fp16 scratch for attention. Soft-capped attention
+    (Gemma 2) holds fp16 scores and probabilities of a chunk's queries over the whole context, up
+    to CAPPED_SCORES_BYTES (SDPA's kernels hold none)."""
     chunk = min(max(context, 1), PREFILL_CHUNK)
     h, hd = spec.hidden_size, spec.head_dim
     per_token = 2 * (3 * h + (spec.num_heads + 2 * spec.num_kv_heads) * hd + spec.num_heads * hd
@@ -269,6 +279,9 @@ def activation_bytes(spec: ModelSpec, context: int, batch: int = 1, quantized_ca
     scratch = 0
     if quantized_cache:
         scratch = _round_up(context, PAGE_SIZE) * batch * spec.num_kv_heads * hd * 2 * 2
+    if spec.softcapped_attention:
+        query_row = batch * spec.num_heads * max(context, 1) * 2 * 2
+        scratch += min(chunk * query_row, max(CAPPED_SCORES_BYTES, query_row))
     logits = batch * _round_up(spec.vocab_size, PAD) * 4 * 2   # logits + sampling copy
     return chunk * per_token + scratch + logits
 

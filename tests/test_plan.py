@@ -161,3 +161,23 @@ def test_cli_plans_a_hub_repo_from_the_fake_hub(ref_fixtures, monkeypatch, tmp_p
         assert out["model"] == "turbo/tiny-exl3" and out["fits"] is True
         bad = _cli("-m", "turbo/does-not-exist", "--context", "512")
         assert bad.returncode != 0 and "Traceback" not in bad.stderr and "turbo/does-not-exist" in bad.stderr
+
+
+def test_soft_capped_attention_adds_its_score_chunks():
+    """Gemma 2's prefill attention runs by hand (capped_attention), holding fp16 scores and
+    probabilities of a chunk of queries: the planner counts them, up to the same budget the
+    engine uses; a Llama-shaped model with the same numbers does not."""
+    from engine.models.layers import CAPPED_SCORES_BYTES
+
+    assert P.CAPPED_SCORES_BYTES == CAPPED_SCORES_BYTES
+    gemma = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584, num_hidden_layers=42,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14336,
+                 vocab_size=256000, max_position_embeddings=8192)
+    llama = {**gemma, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    g, l = P.spec_from_config(gemma, "g"), P.spec_from_config(llama, "l")
+    assert g.softcapped_attention and not l.softcapped_attention
+    assert not P.spec_from_config({**gemma, "attn_logit_softcapping": None}, "g").softcapped_attention
+    extra = P.activation_bytes(g, 8192) - P.activation_bytes(l, 8192)
+    assert extra == P.CAPPED_SCORES_BYTES  # 2,048 queries x 16 heads x 8,192 keys x 4 bytes is more
+    short = P.activation_bytes(g, 100) - P.activation_bytes(l, 100)
+    assert short == 100 * 16 * 100 * 4  # the whole square when it is smaller
