@@ -17,7 +17,9 @@
 // as the product's output stage does), so one launch does it all.
 // At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos):
 // q is rotated as it is loaded, and the block whose split holds the token's slot writes the
-// rotated k and v there before its warps read keys. One kernel boundary less per layer.
+// rotated k and v there before its warps read keys. One kernel boundary less per layer. The
+// tensor-core walk then fetches its first K/V stages before the kernel's PDL wait (the rows of
+// earlier steps are complete by then) and patches the token's row in from shared memory.
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>

@@ -6,6 +6,8 @@
 // - attn_walk_scalar (head dim 256, or set_attn_mma_slots(0)): 16 keys per load into registers
 //   (one memory round trip), scored 8 at a time with fp32 FMAs.
 // Steps whose keys are all masked (-inf: slots past the position, outside a window) are skipped.
+// Each walk has a CAP variant for Gemma 2's soft cap: softcap * tanh(score / softcap) before the
+// mask (attn_softcap2).
 #pragma once
 #include <cuda_fp16.h>
 #include <math.h>
@@ -89,8 +91,8 @@ __device__ __forceinline__ float transpose_sum32(float v[32], int lane) {
 // A warp's share of a block's keys: K and V rows j_begin .. j_end - 1 of one kv head (this lane's
 // D/32 halves of row j at k + j * kv_t), the sequence's additive mask row (or null), how many of the
 // block's kAttnHeads query heads are real, the softmax scale, and the soft cap in the walks'
-// base-2 units (softcap * log2 e; read where the walk's CAP is set). The walks read query head h < ng through q_row(h): the
-// lane's D/32 halves of its row.
+// base-2 units (softcap * log2 e; read where the walk's CAP is set). The walks read query head
+// h < ng through q_row(h): the lane's D/32 halves of its row.
 struct AttnWarpKeys {
     const half* k;
     const half* v;
@@ -305,10 +307,10 @@ __device__ __forceinline__ void attn_mma_prefetch(const AttnWarpKeys& w, int lan
     for (int t = 0; t < NS - 1; ++t) attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps);
 }
 
-template <int DL, bool CAP, int NS, typename QRow>
 // prefetched: attn_mma_prefetch already issued the prologue; then the row of slot patch_slot (this
 // step's token, -1: none) is replaced by new_rows (its K row, then its V row, D halves each, in
 // shared memory) if the prologue fetched it.
+template <int DL, bool CAP, int NS, typename QRow>
 __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_row, int lane, unsigned char* ring,
                                               const AttnWarpOut<32 * DL>& out, bool prefetched = false,
                                               long patch_slot = -1, const half* new_rows = nullptr) {

@@ -50,3 +50,26 @@ def test_gemma_norms_are_kernels_and_match_the_cpu(family, tmp_path):
     per_layer = 4 + (2 if family == "gemma3" else 0)  # input, post-attention, pre- and post-feedforward; q/k
     assert sum("rms_norm_kernel" in n for n in names) == layers * per_layer + 1  # + the final norm
     assert not [n for n in names if "reduce_kernel" in n], "a norm ran as PyTorch ops"
+
+
+def test_exl3_gemma2_on_the_kernels_matches_the_cpu_reference(tmp_path):
+    """A synthetic EXL3 Gemma 2 (bench.synth's tiny shape: head dim 64, so the tensor-core decode
+    walk with the soft cap) on the GPU: the fused products, whose preps compute Gemma's (1 + w)
+    norms with the residual adds, the prefill's norm passes, and graph-replayed decode steps give
+    the CPU reference path's logits (fp16 kernels against fp32 reference math, the bound of the
+    fixture models' test)."""
+    from bench.synth import SHAPES, write_synth_model
+    from tests.gpu_layers import replayed_logits
+
+    path = write_synth_model(tmp_path / "g", SHAPES["tiny-gemma2"], 4.0, head_bits=6, device="cuda")
+    cpu = load_model(path, device="cpu", dtype=torch.float32)
+    gpu = load_model(path, device="cuda")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cpu.config.vocab_size, (1, 40), generator=g)
+    want = decode_logits(cpu, cpu.new_cache(1, 64), ids, prompt=30)
+    got = replayed_logits(gpu, ids.cuda())  # prefill of 30, then ten replayed steps
+    assert len(got) == len(want) == 11
+    for o, w in zip(got, want):
+        o = o.float().cpu()
+        assert ((o - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()).item() < 3e-2
+        assert same_top(o, w)
