@@ -138,8 +138,11 @@ def synth_modules(shape: Shape, bits: float, head_bits: int, codebook: str, seed
     never needs to sit in memory at once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
-    # Gemma's norms scale by (1 + w)
-    unit_norm = lambda n: torch.full((n,), 0.0 if shape.family == "gemma2" else 1.0, dtype=torch.bfloat16, device=device)  # noqa: E731
+
+    def unit_norm(n: int) -> torch.Tensor:
+        """A norm weight that scales by one: Gemma's norms apply (1 + w)."""
+        return torch.full((n,), 0.0 if shape.family == "gemma2" else 1.0, dtype=torch.bfloat16, device=device)
+
     yield [("model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=gen, device=device) * 0.02).bfloat16())]
     kq, ko, kgu, kd = layer_bits(bits)
     for layer in range(shape.layers):
