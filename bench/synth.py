@@ -55,10 +55,9 @@ def quantization_config(bits: float, head_bits: int, codebook: str) -> dict:
     }
 
 
-def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+def dimensions(shape: Shape) -> dict:
+    """The config.json fields every family spells alike."""
     return {
-        "architectures": ["Gemma2ForCausalLM"],
-        "model_type": "gemma2",
         "hidden_size": shape.hidden,
         "intermediate_size": shape.intermediate,
         "num_hidden_layers": shape.layers,
@@ -66,6 +65,14 @@ def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> d
         "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "vocab_size": shape.vocab,
+    }
+
+
+def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    return {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        **dimensions(shape),
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -88,13 +95,7 @@ def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab,
+        **dimensions(shape),
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,

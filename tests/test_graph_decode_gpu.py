@@ -68,28 +68,36 @@ def test_replay_equals_eager_every_family(family, tmp_path):
     assert_same_logits(replayed, plain, rel=1e-4)
 
 
-def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatch):
-    """The captured one-token steps take the decode-attention kernel (not a quiet fallback to
-    SDPA), and give SDPA's logits."""
+def _replayed_with_and_without_the_kernel(model, ids, monkeypatch, served=lambda out, kwargs: out is not None):
+    """Graph-replayed logits with the decode-attention kernel on and off (ops.ATTN_KERNEL), and per
+    setting what each call of ops.decode_attention reported: served(its output, its kwargs)."""
     from engine import ops
 
-    served = []
+    calls = []
     real = ops.decode_attention
 
     def counting(*args, **kwargs):
         out = real(*args, **kwargs)
-        served.append(out is not None)
+        calls.append(served(out, kwargs))
         return out
 
     monkeypatch.setattr(ops, "decode_attention", counting)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, fixture_model.config.vocab_size, (1, 40), generator=g).cuda()
-    logits = {}
+    logits, reports = {}, {}
     for kernel in (True, False):
         monkeypatch.setattr(ops, "ATTN_KERNEL", kernel)
-        served.clear()
-        logits[kernel] = replayed_logits(fixture_model, ids)
-        assert any(served) == kernel
+        calls.clear()
+        logits[kernel] = replayed_logits(model, ids)
+        reports[kernel] = list(calls)
+    return logits, reports
+
+
+def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatch):
+    """The captured one-token steps take the decode-attention kernel (not a quiet fallback to
+    SDPA), and give SDPA's logits."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, fixture_model.config.vocab_size, (1, 40), generator=g).cuda()
+    logits, served = _replayed_with_and_without_the_kernel(fixture_model, ids, monkeypatch)
+    assert any(served[True]) and not any(served[False])
     for a, b in zip(logits[True], logits[False]):
         assert _rel_rms(a, b) < 1e-2
         assert same_top(a, b)
@@ -101,7 +109,6 @@ def test_gemma2_soft_capped_steps_take_the_kernel(head_dim, tmp_path, monkeypatc
     the decode-attention kernel in fp16, and replay the logits of capped_attention (the kernel
     switched off, the path every capped step took before session 20)."""
     tf = pytest.importorskip("transformers")
-    from engine import ops
     from tests.test_models_vs_transformers import TINY, _build
 
     cfg = tf.Gemma2Config(**{**TINY, "num_hidden_layers": 3}, head_dim=head_dim, query_pre_attn_scalar=24,
@@ -109,23 +116,11 @@ def test_gemma2_soft_capped_steps_take_the_kernel(head_dim, tmp_path, monkeypatc
     _build("Gemma2ForCausalLM", cfg, tmp_path)
     model = load_model(tmp_path, device="cuda", dtype=torch.float16)
     assert {layer.self_attn.softcap for layer in model.layers} == {2.0}
-    served = []
-    real = ops.decode_attention
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        served.append(out is not None and kwargs.get("softcap") == 2.0)
-        return out
-
-    monkeypatch.setattr(ops, "decode_attention", counting)
     g = torch.Generator().manual_seed(head_dim)
     ids = torch.randint(0, model.config.vocab_size, (1, 44), generator=g).cuda()
-    logits = {}
-    for kernel in (True, False):
-        monkeypatch.setattr(ops, "ATTN_KERNEL", kernel)
-        served.clear()
-        logits[kernel] = replayed_logits(model, ids)
-        assert (bool(served) and all(served)) if kernel else not any(served)
+    logits, served = _replayed_with_and_without_the_kernel(
+        model, ids, monkeypatch, served=lambda out, kwargs: out is not None and kwargs.get("softcap") == 2.0)
+    assert served[True] and all(served[True]) and not any(served[False])
     for a, b in zip(logits[True], logits[False]):
         assert _rel_rms(a, b) < 1e-2
         assert same_top(a, b)

@@ -707,6 +707,21 @@ def test_decode_attention_matches_reference(D, H, Hkv, S):
     assert ops.decode_attention(q.float(), k, v, None, scale) is None  # not fp16: the caller's SDPA path
 
 
+def _masked_attention_case(S: int, seed: int, H: int, Hkv: int, D: int, B: int):
+    """q [B, H, 1, D], strided k and v [B, Hkv, S, D] (views of S + 5 slots), a window that masks
+    the first half of the slots (whole splits masked) and a mask per sequence that hides the last
+    sequence's final two thirds."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    k = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
+    v = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
+    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
+    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
+    window[:, : S // 2] = float("-inf")
+    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
+    per_row[-1, S // 3 + 1:] = float("-inf")
+    return q, k, v, window, per_row
+
+
 @pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 16, 1), (256, 16, 8, 1), (64, 9, 3, 2), (256, 8, 4, 2)])
 @pytest.mark.parametrize("S", [1, 37, 256, 4100])
 def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):
@@ -716,15 +731,8 @@ def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):
     most scores here, so a kernel that skipped it would be far off."""
     from engine.models.layers import one_query_attention
 
-    g = torch.Generator(device=DEV).manual_seed(S + D + H + 1)
-    k = torch.randn(B, Hkv, S + 3, D, generator=g, device=DEV).half()[:, :, :S]
-    v = torch.randn(B, Hkv, S + 3, D, generator=g, device=DEV).half()[:, :, :S]
-    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
+    q, k, v, window, per_row = _masked_attention_case(S, S + D + H + 1, H, Hkv, D, B)
     scale, cap = 0.25, 1.5
-    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
-    window[:, : S // 2] = float("-inf")
-    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
-    per_row[-1, S // 3 + 1:] = float("-inf")
     ext = ops.extension()
     try:
         for mma_slots, mask in itertools.product((1, 0), (None, window, per_row)):
@@ -818,15 +826,9 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
     last key (rows that read nothing), head groups of 1 to 7 heads (a partial block of 4), a window
     that leaves whole splits masked, a per-sequence mask, and rows that are not 16-byte aligned
     (then it declines: the scalar walk's result exactly)."""
-    g = torch.Generator(device=DEV).manual_seed(S + D + H)
-    k = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
-    v = torch.randn(B, Hkv, S + 5, D, generator=g, device=DEV).half()[:, :, :S]
-    q = torch.randn(B, H, 1, D, generator=g, device=DEV).half()
+    q, k, v, window, per_row = _masked_attention_case(S, S + D + H, H, Hkv, D, B)
+    g = torch.Generator(device=DEV).manual_seed(S + D + H + 7)  # for the misaligned rows below
     scale = D ** -0.5
-    window = torch.zeros(1, S, device=DEV, dtype=torch.float16)
-    window[:, : S // 2] = float("-inf")
-    per_row = torch.zeros(B, S, device=DEV, dtype=torch.float16)
-    per_row[-1, S // 3 + 1:] = float("-inf")
     ext = ops.extension()
     try:
         for one_split, mask in itertools.product((ops.ATTN_MMA_ONE_SPLIT, 0), (None, window, per_row)):
