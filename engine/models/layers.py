@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
     product is taken before casting back; Llama-style casts first, then multiplies by w. On the
     GPU a Gemma norm runs the same kernels as a Llama one with (1 + w) as their weight: one
     kernel, or none where a grouped product's prep computes it, instead of eight PyTorch ops
-    (session 20: 2.7 of a synthetic Gemma-2-9B token's 7.4 ms went to those). The kernels' order
+    (session 20: 2.8 of a synthetic Gemma-2-9B token's 7.4 ms went to those). The kernels' order
     (cast, then multiply, with 1 + w itself rounded: three roundings where Gemma has one) moves a
     Gemma output by about an ulp of its dtype (at most ~1.5).
     """
