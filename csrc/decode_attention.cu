@@ -87,6 +87,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     const half* kp = a.k + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* vp = a.v + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* mrow = a.mask ? a.mask + (size_t)b * a.mask_b : nullptr;
+    auto q_at = [&](int h) {  // this lane's halves of the group's query head h
+        return load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
+    };
 
     // Chain into o_proj: the input signs of the head this warp merges (warps 0..3), a weight, so
     // read before the wait.
@@ -112,8 +115,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     if constexpr (MMA) {
 #pragma unroll
         for (int h = 0; h < kAttnHeads; ++h)
-            qraw[h] = h < ng ? load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL)
-                             : Row{};
+            qraw[h] = h < ng ? q_at(h) : Row{};
     }
     if (a.pos) {  // RoPE here: rotate q below, and write the token's k and v if this split reads its slot
         rc = load_row<DL>(a.cos + lane * DL);
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         if constexpr (MMA) {
             r = qraw[h];
         } else {
-            r = load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
+            r = q_at(h);
         }
         if (a.pos) r = rope_row<DL>(r, rc, rs, lane);
         return r;
