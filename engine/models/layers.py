@@ -289,20 +289,21 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         t1 = min(T, t0 + rows)
         scores = torch.matmul(qg[:, :, :, t0:t1], keys_t)  # [B, Hkv, groups, t, S]
         scores.tanh_().mul_(softcap)
-        m = mask[..., t0:t1, :] if mask.shape[-2] == T else mask
-        if m.dtype == torch.bool:
-            scores.masked_fill_(~m, float("-inf"))
-        else:
-            scores.add_(m)
+        apply_mask_(scores, mask[..., t0:t1, :] if mask.shape[-2] == T else mask)
         out[:, :, :, t0:t1] = torch.matmul(torch.softmax(scores, dim=-1), values)
     return out.reshape(B, H, T, D)
 
 
 def apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Scores with a mask applied as SDPA applies it: bool (True = may attend) or additive."""
+    return apply_mask_(scores.clone(), mask)
+
+
+def apply_mask_(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """apply_mask in place, for scores that are the caller's own scratch (returned)."""
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
+        return scores.masked_fill_(~mask, float("-inf"))
+    return scores.add_(mask)
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -318,7 +319,7 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = apply_mask(scores, mask)
+        apply_mask_(scores, mask)  # scores: this call's own tensor
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).reshape(B, H, 1, D)
 
