@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.io.hf_config import family_default
 from engine.io.json_files import read_json_object
 from engine.io.safetensors_header import read_header, weight_files
 
@@ -160,7 +161,8 @@ def _shape_numbers(cfg: dict, name: str) -> dict:
         raise ConfigError(f"{name}: config.json has a non-positive dimension")
     archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
     gemma2 = t.get("model_type", cfg.get("model_type")) == "gemma2" or str(archs[0]) == "Gemma2ForCausalLM"
-    capped = t.get("attn_logit_softcapping", 50.0 if gemma2 else None) is not None
+    cap_default = family_default("gemma2", "attn_logit_softcapping") if gemma2 else None
+    capped = t.get("attn_logit_softcapping", cap_default) is not None
     return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 inter=inter, vocab=vocab, max_ctx=max_ctx, arch=str(archs[0]), capped=capped,
                 tied=bool(_first(t, "tie_word_embeddings", default=cfg.get("tie_word_embeddings", False))),

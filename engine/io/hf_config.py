@@ -226,6 +226,12 @@ def _text_fields(raw: dict, source: str) -> dict:
     return merged
 
 
+def family_default(family: str, key: str) -> Any:
+    """What transformers assumes for `key` when a config of `family` leaves it out (None: nothing;
+    the planner reads it for configs it does not parse in full)."""
+    return _defaults_for(family, "").get(key)
+
+
 def _defaults_for(family: str, arch: str) -> dict:
     if family == "gemma2":
         return _GEMMA2_DEFAULTS
