@@ -37,15 +37,21 @@ def capture(fn):
     return graph, out
 
 
-def kernels_run(fn, name_part: str = "gemv") -> set[str]:
-    """Names of the CUDA kernels fn() launches whose name contains name_part (the profiler's
-    demangled names carry the template arguments, so a test can check which instantiation ran)."""
+def kernel_names(fn) -> list[str]:
+    """The names of the CUDA kernels fn() launches, one per launch, as the profiler reports them."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return {e.name for e in prof.events() if name_part in e.name}
+    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def kernels_run(fn, name_part: str = "gemv") -> set[str]:
+    """Names of the CUDA kernels fn() launches whose name contains name_part (the profiler's
+    demangled names carry the template arguments, so a test can check which instantiation ran)."""
+    return {n for n in kernel_names(fn) if name_part in n}
 
 
 def workspaces_zero() -> bool:

@@ -12,18 +12,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from engine.models import load_model  # noqa: E402
-from tests.gpu_layers import same_top  # noqa: E402
+from tests.gpu_layers import kernel_names, same_top  # noqa: E402
 from tests.test_static_cache import decode_logits, tiny_model  # noqa: E402
-
-
-def _kernel_names(fn) -> list[str]:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -45,7 +35,7 @@ def test_gemma_norms_are_kernels_and_match_the_cpu(family, tmp_path):
     cache = gpu.new_cache(1, 16)
     with torch.inference_mode():
         gpu(ids[:, :8].cuda(), cache)
-        names = _kernel_names(lambda: gpu(ids[:, 8:9].cuda(), cache))
+        names = kernel_names(lambda: gpu(ids[:, 8:9].cuda(), cache))
     layers = len(gpu.layers)
     per_layer = 4 + (2 if family == "gemma3" else 0)  # input, post-attention, pre- and post-feedforward; q/k
     assert sum("rms_norm_kernel" in n for n in names) == layers * per_layer + 1  # + the final norm
