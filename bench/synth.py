@@ -30,7 +30,7 @@ class Shape:
     kv_heads: int
     vocab: int
     head_dim: int = 128
-    family: str = "llama"  # or "gemma2": its four norms per layer, tied embedding, soft caps
+    family: str = "llama"  # "gemma2": four norms per layer, tied embedding, soft caps; "qwen3": per-head q/k norms
 
 
 SHAPES = {
@@ -40,6 +40,9 @@ SHAPES = {
     # Gemma-2-9B: head dim 256, scores soft-capped at 50, a 4,096-token window on alternate layers
     "gemma2-9b": Shape(3584, 14336, 42, 16, 8, 256000, 256, "gemma2"),
     "tiny-gemma2": Shape(256, 768, 2, 4, 2, 512, 64, "gemma2"),
+    # Qwen3-8B: an RMSNorm over each q and k head before RoPE
+    "qwen3-8b": Shape(4096, 12288, 36, 32, 8, 151936, 128, "qwen3"),
+    "tiny-qwen3": Shape(256, 768, 2, 4, 2, 512, 64, "qwen3"),
 }
 
 
@@ -89,9 +92,29 @@ def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> d
     }
 
 
+def qwen3_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **dimensions(shape),
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+        "quantization_config": quantization_config(bits, head_bits, codebook),
+    }
+
+
 def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
     if shape.family == "gemma2":
         return gemma2_config(shape, bits, head_bits, codebook)
+    if shape.family == "qwen3":
+        return qwen3_config(shape, bits, head_bits, codebook)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -152,6 +175,8 @@ def synth_modules(shape: Shape, bits: float, head_bits: int, codebook: str, seed
         if shape.family == "gemma2":
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         tensors = [(f"{p}.{n}.weight", unit_norm(h)) for n in norms]
+        if shape.family == "qwen3":
+            tensors += [(f"{p}.self_attn.{n}.weight", unit_norm(hd)) for n in ("q_norm", "k_norm")]
         for name, n_in, n_out, K in [
             ("self_attn.q_proj", h, shape.heads * hd, kq),
             ("self_attn.k_proj", h, shape.kv_heads * hd, kq),

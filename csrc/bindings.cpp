@@ -625,7 +625,8 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 // (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
-                               std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope) {
+                               std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope,
+                               double head_norm_eps) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -682,9 +683,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         a.next_suh = hptr(next[3]);
     }
     if (!rope.empty()) {
-        // [new_k, new_v, cos, sin, pos]: q is unrotated; the kernel rotates it and new_k, and
-        // writes the token's k and v into k, v (the cache's span) at slot *pos.
-        TORCH_CHECK(rope.size() == 5, "decode_attention: rope is [new_k, new_v, cos, sin, pos]");
+        // [new_k, new_v, cos, sin, pos (, q_norm, k_norm)]: q is unrotated; the kernel rotates it
+        // and new_k (each head normed first, with the norm weights), and writes the token's k and
+        // v into k, v (the cache's span) at slot *pos.
+        TORCH_CHECK(rope.size() == 5 || rope.size() == 7,
+                    "decode_attention: rope is [new_k, new_v, cos, sin, pos] or that and [q_norm, k_norm]");
         const auto &nk = rope[0], &nv = rope[1], &pos = rope[4];
         for (const auto* t : {&nk, &nv})
             TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->size(0) == B &&
@@ -701,6 +704,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         a.nk_b = (long)nk.stride(0), a.nk_h = (long)nk.stride(2);
         a.cos = hptr(rope[2]), a.sin = hptr(rope[3]);
         a.pos = pos.data_ptr<int64_t>();
+        if (rope.size() == 7) {
+            check_half_vec(rope[5], D, "decode_attention: q_norm");
+            check_half_vec(rope[6], D, "decode_attention: k_norm");
+            TORCH_CHECK(head_norm_eps >= 0.0 && std::isfinite(head_norm_eps), "decode_attention: norm eps must be finite and >= 0");
+            a.q_norm = hptr(rope[5]), a.k_norm = hptr(rope[6]);
+            a.head_norm_eps = (float)head_norm_eps;
+        }
     }
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
     return out;

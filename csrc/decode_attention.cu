@@ -15,7 +15,8 @@
 // memory; when there are several splits, each block writes its partial (o, max, sum) to a
 // workspace and the last block to finish a (batch, head group) merges them (a completion counter,
 // as the product's output stage does), so one launch does it all.
-// At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos):
+// At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos),
+// and Qwen3's and Gemma 3's per-head q/k norm before it (two norm kernels less per layer):
 // q is rotated as it is loaded, and the block whose split holds the token's slot writes the
 // rotated k and v there before its warps read keys. One kernel boundary less per layer. The
 // tensor-core walk then fetches its first K/V stages before the kernel's PDL wait (the rows of
@@ -55,6 +56,52 @@ __device__ __forceinline__ typename HalfRow<DL>::T rope_row(typename HalfRow<DL>
     for (int i = 0; i < DL; ++i)
         rh[i] = __hadd_rn(__hmul_rn(xh[i], ch[i]), __hmul_rn(upper ? ph[i] : __hneg(ph[i]), sh[i]));
     return r;
+}
+
+// RMSNorm of one head row spread over the warp as above (DL consecutive halves per lane), with
+// rms_norm_kernel's roundings and its order of summation at n = D: that kernel runs 128 threads,
+// thread t holding pair t; each warp of 32 pairs sums by an xor butterfly, then the block adds
+// (w0 + w2) + (w1 + w3), where a warp without pairs adds 0. So a step's q/k norm done here (Qwen3,
+// Gemma 3) gives the bits the norm kernel it replaces gave.
+template <int DL>
+__device__ __forceinline__ typename HalfRow<DL>::T head_rms_norm(typename HalfRow<DL>::T x, typename HalfRow<DL>::T w,
+                                                                 float eps) {
+    constexpr int P = DL / 2;  // pairs per lane: lane l holds the norm kernel's threads P*l .. P*l + P - 1
+    const half2* x2 = reinterpret_cast<const half2*>(&x);
+    float ss[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) ss[e] = pair_square_sum(__half22float2(x2[e]));
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {  // the warp's butterfly: pair t adds pair t ^ s
+        if (s >= P) {
+#pragma unroll
+            for (int e = 0; e < P; ++e) ss[e] += __shfl_xor_sync(0xffffffffu, ss[e], s / P);
+        } else {  // a pair of this lane's own
+            float t[P];
+#pragma unroll
+            for (int e = 0; e < P; ++e) t[e] = ss[e] + ss[e ^ s];
+#pragma unroll
+            for (int e = 0; e < P; ++e) ss[e] = t[e];
+        }
+    }
+    // The block's sum: lanes of the kernel's warp w sit at lanes 8w.. (DL 8) or 16w.. (DL 4).
+    float total = ss[0];
+    if constexpr (DL == 8) {
+        total += __shfl_xor_sync(0xffffffffu, total, 16);  // w0 + w2, w1 + w3
+        total += __shfl_xor_sync(0xffffffffu, total, 8);
+    } else if constexpr (DL == 4) {
+        total += __shfl_xor_sync(0xffffffffu, total, 16);
+    }
+    const float inv = rsqrtf(total / (32 * DL) + eps);
+    typename HalfRow<DL>::T y;
+    half2* y2 = reinterpret_cast<half2*>(&y);
+    const half2* w2 = reinterpret_cast<const half2*>(&w);
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+        const float2 f = __half22float2(x2[e]);
+        y2[e] = __hmul2(w2[e], __floats2half2_rn(f.x * inv, f.y * inv));
+    }
+    return y;
 }
 
 // Blocks per SM: the tensor-core walk's ring takes most of an SM's shared memory, so one; the
@@ -108,6 +155,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     if constexpr (MMA) {
         if (early) attn_mma_prefetch<DL, NS>(keys, lane, ring);
     }
+    Row qn{}, kn{};  // the q and k head norms' weights (a.q_norm), read before the wait
+    const bool head_norms = a.pos && a.q_norm;
+    if (head_norms) {
+        qn = load_row<DL>(a.q_norm + lane * DL);
+        kn = load_row<DL>(a.k_norm + lane * DL);
+    }
     pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
     Row rc{}, rs{};
     long p = -1;  // this step's slot, when the RoPE is ours
@@ -124,7 +177,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         if (p >= s0 && p < s1) {  // block-uniform
             if (warp == 0) {
                 const size_t at = (size_t)b * a.nk_b + (size_t)kvh * a.nk_h + lane * DL;
-                const Row kr = rope_row<DL>(load_row<DL>(a.new_k + at), rc, rs, lane);
+                Row kraw = load_row<DL>(a.new_k + at);
+                if (head_norms) kraw = head_rms_norm<DL>(kraw, kn, a.head_norm_eps);
+                const Row kr = rope_row<DL>(kraw, rc, rs, lane);
                 const Row vr = load_row<DL>(a.new_v + at);
                 // the cache this kernel reads: one pointer for both (blocks of other head groups
                 // of this kv head write the same bits)
@@ -146,6 +201,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         } else {
             r = q_at(h);
         }
+        if (head_norms) r = head_rms_norm<DL>(r, qn, a.head_norm_eps);
         if (a.pos) r = rope_row<DL>(r, rc, rs, lane);
         return r;
     };

@@ -757,8 +757,7 @@ __device__ __forceinline__ float row_rms_inv(const half2* x2, const half2* r2, h
             v = __hadd2(v, r2[q]);
             ro2[q] = v;
         }
-        const float2 f = __half22float2(v);
-        ss += f.x * f.x + f.y * f.y;
+        ss += pair_square_sum(__half22float2(v));
     }
     return rsqrtf(block_sum(ss, scratch) / n + eps);
 }

@@ -31,6 +31,11 @@ __device__ __forceinline__ half gated_value(half gh, half u, int act) {
     return __hmul(__float2half_rn(a), u);
 }
 
+// One (x, y) pair's share of an RMSNorm's sum of squares, rounded one fixed way (x*x fused onto
+// the rounded y*y, the compiler's own choice for rms_norm_kernel's `x*x + y*y`), so that a kernel
+// that norms a row as rms_norm_kernel does (decode attention's per-head q/k norm) adds the same bits.
+__device__ __forceinline__ float pair_square_sum(float2 f) { return __fmaf_rn(f.x, f.x, __fmul_rn(f.y, f.y)); }
+
 // a + b for a lane's 4 fp16 values (the residual add of the norm kernels: one fp16 add each).
 __device__ __forceinline__ uint2 add4(uint2 a, uint2 b) {
     return make_uint2(as_u32(__hadd2(as_h2(a.x), as_h2(b.x))), as_u32(__hadd2(as_h2(a.y), as_h2(b.y))));

@@ -323,6 +323,11 @@ struct DecodeAttnArgs {
     const half* cos = nullptr;
     const half* sin = nullptr;
     const int64_t* pos = nullptr;
+    // With pos, Qwen3's and Gemma 3's RMSNorm over each q head and the token's k head (weights
+    // [D], one eps) before the RoPE, as rms_norm_kernel computes it, to the bit; null: none.
+    const half* q_norm = nullptr;
+    const half* k_norm = nullptr;
+    float head_norm_eps = 0.f;
 };
 // mma: the tensor-core key walk serves the call (decode_attention_mma_stages > 0), one block per SM.
 int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma = false);

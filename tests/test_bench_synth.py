@@ -42,3 +42,20 @@ def test_synthetic_gemma2_loads_with_its_norms_and_caps(tmp_path):
         logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
     assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all()
     assert logits.abs().max() <= 30.0 and logits.std() > 0.1
+
+
+def test_synthetic_qwen3_loads_with_its_head_norms(tmp_path):
+    """The Qwen3 shape (bench.decode --shape qwen3-8b) writes a q and a k norm over each head of
+    every layer, which the Qwen3 loader reads; a forward gives finite, varied logits."""
+    import torch
+
+    from engine.models import load_model
+
+    out = write_synth_model(tmp_path / "q", SHAPES["tiny-qwen3"], bits=4.0, head_bits=6)
+    model = load_model(out, device="cpu", dtype=torch.float32)
+    assert model.config.family == "qwen3" and model.config.qk_norm
+    attn = model.layers[1].self_attn
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (64,)
+    with torch.inference_mode():
+        logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0.1

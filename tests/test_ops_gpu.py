@@ -472,14 +472,20 @@ def test_rope_store_matches_rope_then_cache_write():
 
 @pytest.mark.parametrize("D,H,Hk,B", [(128, 32, 8, 1), (64, 9, 3, 2), (256, 8, 8, 1), (128, 28, 4, 2)])
 @pytest.mark.parametrize("span,pos", [(256, 0), (256, 200), (4096, 37), (4096, 4095), (17, 16)])
-@pytest.mark.parametrize("cap", [None, 2.0])
-def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos, cap):
+@pytest.mark.parametrize("cap,norms", [(None, False), (2.0, False), (None, True)])
+def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos, cap, norms, monkeypatch):
     """The decode attention kernel doing the step's RoPE and cache write itself (PendingRope): the
     same cache bits and the same output bits as the RoPE-and-store kernel followed by the plain
     attention kernel, whichever split holds the token's slot (one split or many), with grouped
-    heads split into blocks of 4 (several blocks write the same kv head's slot), and with Gemma
-    2's soft cap."""
+    heads split into blocks of 4 (several blocks write the same kv head's slot), with Gemma 2's
+    soft cap, and with Qwen3's per-head q/k norms before the RoPE (against the norm kernel)."""
+    from engine.models.layers import RMSNorm
+
     g = torch.Generator(device=DEV).manual_seed(D + H + span + pos)
+    monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
+    head_norms = None
+    if norms:  # weights around 1, different for q and k, and an eps that matters at this scale
+        head_norms = tuple(RMSNorm((1 + 0.3 * torch.randn(D, generator=g, device=DEV)).half(), 1e-2) for _ in range(2))
     qkv = torch.randn(B, 1, (H + 2 * Hk) * D, generator=g, device=DEV).half()
     cos = torch.randn(1, D, generator=g, device=DEV).half()
     sin = torch.randn(1, D, generator=g, device=DEV).half()
@@ -494,10 +500,14 @@ def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, p
     caches = [torch.randn(B, Hk, span + 8, D, generator=g, device=DEV).half() for _ in range(2)]
     want_caches = [c.clone() for c in caches]
     q, k, v = split(qkv.clone())
-    rope = ops.PendingRope(q.transpose(1, 2), caches[0][:, :, :span], caches[1][:, :, :span], k, v, cos, sin, position)
+    rope = ops.PendingRope(q.transpose(1, 2), caches[0][:, :, :span], caches[1][:, :, :span], k, v, cos, sin, position,
+                           head_norms)
     assert rope.serves(mask)
     got = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap)
     wq, wk, wv = split(qkv.clone())
+    if norms:
+        wq, wk = ops.rms_norm(wq, head_norms[0].weight, 1e-2), ops.rms_norm(wk, head_norms[1].weight, 1e-2)
+        assert not torch.equal(wq, split(qkv)[0])
     ops.rope_qk_store(wq, wk, wv, cos, sin, want_caches[0], want_caches[1], position)
     want = ops.decode_attention(wq.transpose(1, 2), want_caches[0][:, :, :span], want_caches[1][:, :, :span], mask,
                                 D ** -0.5, softcap=cap)
@@ -510,7 +520,8 @@ def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, p
     caches2 = [c.clone() for c in want_caches]
     caches2[0][:, :, pos] = 0
     q2, k2, v2 = split(qkv.clone())
-    r2 = ops.PendingRope(q2.transpose(1, 2), caches2[0][:, :, :span], caches2[1][:, :, :span], k2, v2, cos, sin, position)
+    r2 = ops.PendingRope(q2.transpose(1, 2), caches2[0][:, :, :span], caches2[1][:, :, :span], k2, v2, cos, sin, position,
+                         head_norms)
     assert torch.equal(r2.apply(), wq.transpose(1, 2)) and torch.equal(caches2[0], want_caches[0])
 
 
@@ -527,6 +538,21 @@ def test_pending_rope_declines_what_the_kernel_cannot_take(monkeypatch):
     assert not ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, cos.float(), sin, pos).serves(None)
     assert not ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, torch.ones(2, D, device=DEV).half(),
                                sin, pos).serves(None)
+    # head norms the kernel cannot take: fp32 weights, the wrong length, two different eps
+    from engine.models.layers import RMSNorm
+
+    def norms(wq, wk, eps_k=1e-6):
+        return ops.PendingRope(q.transpose(1, 2), cache[0], cache[1], k, v, cos, sin, pos,
+                               (RMSNorm(wq, 1e-6), RMSNorm(wk, eps_k)))
+
+    w = torch.ones(D, device=DEV).half()
+    monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
+    assert norms(w, w).serves(None)
+    assert not norms(w.float(), w).serves(None)
+    assert not norms(w, torch.ones(D // 2, device=DEV).half()).serves(None)
+    assert not norms(w, w, eps_k=1e-5).serves(None)
+    monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", False)  # the setting off: the norms' own kernels
+    assert not norms(w, w).serves(None) and rope.serves(None)
     monkeypatch.setattr(ops, "ATTN_ROPE", False)
     assert not rope.serves(None)
 

@@ -102,13 +102,14 @@ class StaticKVCache(KVCache):
         return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
     def pending_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> "ops.PendingRope":
-        """One token's RoPE and cache write, not run yet: the decode attention kernel does them
-        itself where it can (one kernel less per layer); elsewhere apply() runs them. q, k, v come
-        as the projections give them, [B, 1, heads, D]."""
+                     sin: torch.Tensor, head_norms=None) -> "ops.PendingRope":
+        """One token's RoPE and cache write (after the q and k `head_norms`, where a model has
+        them), not run yet: the decode attention kernel does them itself where it can (one to
+        three kernels less per layer); elsewhere apply() runs them. q, k, v come as the
+        projections give them, [B, 1, heads, D]."""
         span = self.span(1)
         return ops.PendingRope(q.transpose(1, 2), self.keys[layer][:, :, :span], self.values[layer][:, :, :span],
-                               k, v, cos, sin, self.position)
+                               k, v, cos, sin, self.position, head_norms)
 
     def advance(self, new_tokens: int) -> None:
         super().advance(new_tokens)

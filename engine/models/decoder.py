@@ -72,16 +72,19 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         rope = None
         if T == 1 and isinstance(cache, StaticKVCache):  # a decode step
-            rope = cache.pending_rope(self.layer, q, k, v, cos, sin)
-            if rope.serves(mask):  # the attention kernel rotates and stores
+            norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
+            rope = cache.pending_rope(self.layer, q, k, v, cos, sin, norms)
+            if norms is not None and not rope.serves(mask):  # the norms first, on their own
+                rope = cache.pending_rope(self.layer, self.q_norm(q), self.k_norm(k), v, cos, sin)
+            if rope.serves(mask):  # the attention kernel (norms,) rotates and stores
                 q, k, v = rope.q, rope.keys, rope.values
             else:  # RoPE and the cache write in one kernel of their own
                 q, k, v, rope = rope.apply(), rope.keys, rope.values, None
         else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = ops.rope_qk(q, k, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             if cache is not None:

@@ -230,6 +230,11 @@ _counters: dict = {}
 # RoPE kernel runs between the q/k/v product and it: on by default; TRELLIS_ATTN_ROPE=0 keeps the
 # RoPE kernel (benchmarks' same-run ratio).
 ATTN_ROPE = os.environ.get("TRELLIS_ATTN_ROPE", "1") != "0"
+# With it, the per-head q/k norms before the RoPE (Qwen3, Gemma 3), two norm kernels less per
+# layer. Off by default until a GPU run has checked it (written in session 21, which had none:
+# csrc/PERF_NOTES.md); TRELLIS_ATTN_HEAD_NORMS=1 turns it on. Off, the norms run as norm kernels
+# and the RoPE as its own kernel.
+ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "0") == "1"
 
 _attn_counters: dict = {}
 
@@ -239,8 +244,10 @@ class PendingRope:
     """One decode token's RoPE and KV-cache write, left to the attention kernel: q [B, H, 1, D]
     unrotated (a view of the projection), keys / values the cache's span [B, Hkv, S, D] that the
     token's slot `position` (long [1] on the device) is in, k_new / v_new [B, 1, Hkv, D] the
-    token's projections, cos / sin [1, D]. Whoever holds one must run decode_attention with it,
-    or apply() it, before anything reads q or the cache."""
+    token's projections, cos / sin [1, D]. `head_norms` (Qwen3, Gemma 3): the q and k norms
+    (models.layers.RMSNorm) that come before the RoPE, left to the kernel too; q and k_new are
+    then their inputs. Whoever holds one must run decode_attention with it, or apply() it, before
+    anything reads q or the cache."""
 
     q: torch.Tensor
     keys: torch.Tensor
@@ -250,6 +257,7 @@ class PendingRope:
     cos: torch.Tensor
     sin: torch.Tensor
     position: torch.Tensor
+    head_norms: "tuple[torch.nn.Module, torch.nn.Module] | None" = None
 
     def serves(self, mask: torch.Tensor | None) -> bool:
         """Whether the attention kernel takes this token's RoPE and cache write along with the
@@ -257,16 +265,34 @@ class PendingRope:
         return (ATTN_ROPE and _decode_attention_serves(self.q, self.keys, self.values, mask)
                 and _rope_kernel_serves(self.cos, self.sin, self.q.transpose(1, 2), self.k_new, self.v_new)
                 and self.k_new.stride() == self.v_new.stride() and self.k_new.data_ptr() % 16 == 0
-                and self.v_new.data_ptr() % 16 == 0 and self.position.is_cuda and self.position.numel() == 1)
+                and self.v_new.data_ptr() % 16 == 0 and self.position.is_cuda and self.position.numel() == 1
+                and self._norms_serve())
+
+    def _norms_serve(self) -> bool:
+        if self.head_norms is None:
+            return True
+        qn, kn = self.head_norms
+        if not ATTN_HEAD_NORMS:
+            return False
+        D = self.q.shape[-1]
+        return qn.eps == kn.eps and all(
+            w.is_cuda and w.dtype == torch.float16 and w.is_contiguous() and w.numel() == D and w.device == self.q.device
+            for w in (qn.kernel_weight, kn.kernel_weight))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k_new, self.v_new, self.cos.reshape(-1), self.sin.reshape(-1), self.position]
+        norms = [] if self.head_norms is None else [n.kernel_weight for n in self.head_norms]
+        return [self.k_new, self.v_new, self.cos.reshape(-1), self.sin.reshape(-1), self.position, *norms]
+
+    def norm_eps(self) -> float:
+        return 0.0 if self.head_norms is None else float(self.head_norms[0].eps)
 
     def apply(self) -> torch.Tensor:
-        """RoPE and the cache write on their own (the RoPE kernel, or PyTorch ops): the rotated q
-        [B, H, 1, D], for an attention that does neither."""
-        q, _ = rope_qk_store(self.q.transpose(1, 2), self.k_new, self.v_new, self.cos, self.sin, self.keys,
-                             self.values, self.position)
+        """The head norms, RoPE and the cache write on their own (their kernels, or PyTorch ops):
+        the rotated q [B, H, 1, D], for an attention that does none of them."""
+        q, k = self.q.transpose(1, 2), self.k_new
+        if self.head_norms is not None:
+            q, k = self.head_norms[0](q), self.head_norms[1](k)
+        q, _ = rope_qk_store(q, k, self.v_new, self.cos, self.sin, self.keys, self.values, self.position)
         return q.transpose(1, 2)
 
 
@@ -312,7 +338,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
     nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
     return extension().decode_attention(q, k, v, mask, float(scale), float(softcap or 0.0), counters, nxt,
-                                        [] if rope is None else rope.tensors())
+                                        [] if rope is None else rope.tensors(),
+                                        0.0 if rope is None else rope.norm_eps())
 
 
 # ------------------------------------------------------------------------------------------
