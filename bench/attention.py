@@ -63,6 +63,7 @@ def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bo
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
         else:
             ext.set_attn_mma_slots(1 if path == "mma" else 0)
+            ext.set_attn_mma_d256(path == "mma")  # head dim 256: off by default (ops.ATTN_MMA_D256)
 
             def call(i):
                 k, v = caches[i % n]
@@ -78,6 +79,7 @@ def bench_slots(slots: int, paths, heads: int, kv_heads: int, dim: int, cold: bo
         rows.append(row)
         print(json.dumps(row), flush=True)
     ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
+    ext.set_attn_mma_d256(ops.ATTN_MMA_D256)
     return rows
 
 

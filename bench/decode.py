@@ -257,7 +257,8 @@ def main(argv=None) -> int:
                          "cuda-graph-nogroup (one product per linear), cuda-graph-int8 / cuda-graph-fp16 (the MUL1 "
                          "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), cuda-graph-noattnrope "
                          "(a RoPE kernel before decode attention), cuda-graph-attnnorms / -noattnnorms (Qwen3's q/k norms "
-                         "in decode attention / as kernels of their own, with the RoPE), "
+                         "in decode attention / as kernels of their own, with the RoPE), cuda-graph-attnmmad256 / "
+                         "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
                          "kernel before every product / decode products prep their own input), cuda-graph-chainattn / "
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
@@ -340,6 +341,8 @@ def main(argv=None) -> int:
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
             ops.extension().set_attn_mma_slots(pick_number("attnmma", ops.ATTN_MMA_SLOTS))
+            ops.extension().set_attn_mma_d256(
+                pick({"cuda-graph-attnmmad256": True, "cuda-graph-noattnmmad256": False}, ops.ATTN_MMA_D256))
             ops.extension().set_attn_mma_one_split(pick_number("attnmmaonesplit", ops.ATTN_MMA_ONE_SPLIT))
             ops.extension().set_attn_one_load_splits(pick_number("attnoneload", ops.ATTN_ONE_LOAD_SPLITS))
         for batch, ctx in itertools.product(args.batch, args.contexts):

@@ -657,7 +657,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
     a.k = hptr(k), a.v = hptr(v);
     a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
-    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_mma_stages(a) > 0);
+    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_mma_keys(a));
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
                     counters.numel() >= trellis::decode_attention_counters(a.B, a.Hkv, a.G),
                 "decode_attention: too few counters");
@@ -761,6 +761,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "decode attention takes one load of 16 keys per warp while that needs at most this many splits (default 10; 0: never)");
     m.def("set_attn_mma_slots", &trellis::set_attn_mma_slots,
           "decode attention (D = 64 or 128) walks its keys on the tensor cores from spans of this many slots (default 1: all; 0: never)");
+    m.def("set_attn_mma_d256", &trellis::set_attn_mma_d256,
+          "decode attention at head dim 256 walks its keys on the tensor cores too (default off: not yet run on a GPU)");
     m.def("set_attn_mma_stages", &trellis::set_attn_mma_stages,
           "the tensor-core walk's ring stages per warp: 0 (default) the most that fit, up to 3; 2 or 3 where they fit");
     m.def("set_attn_mma_one_split", &trellis::set_attn_mma_one_split,

@@ -9,9 +9,10 @@
 // Shape of the work: block (split, kv head x head group, batch) of 8 warps; a head group is up
 // to 4 query heads that share a kv head (grouped-query attention), so K and V are read once for
 // all of them. Each warp walks its share of the block's keys (decode_attention_walks.cuh: on the
-// tensor cores for head dims 64 and 128, with scalar FMAs otherwise). At batch 1 and short caches
-// the GPU is nearly idle here, so the split counts weigh memory round trips and the merge's cost,
-// not bandwidth; long caches are bandwidth work. The warps' partial results merge in shared
+// tensor cores for head dims 64 and 128, and 256 where set_attn_mma_d256 allows it; with scalar
+// FMAs otherwise). At batch 1 and short caches the GPU is nearly idle here, so the split counts
+// weigh memory round trips and the merge's cost, not bandwidth; long caches are bandwidth work.
+// The warps' partial results merge in shared
 // memory; when there are several splits, each block writes its partial (o, max, sum) to a
 // workspace and the last block to finish a (batch, head group) merges them (a completion counter,
 // as the product's output stage does), so one launch does it all.
@@ -347,7 +348,7 @@ void set_attn_mma_stages(int stages) { attn_mma_stages() = stages == 2 || stages
 
 // The ring stages a block of the tensor-core walk gets at head dim D on this device (0: none fit).
 static int attn_mma_stages_for(int D) {
-    const int fixed = kAttnWarps * kAttnHeads * D * 4 + 1024;  // the static merge buffers, with room
+    const int fixed = kAttnWarps * kAttnHeads * D * 4 + 2 * D * 2 + 1024;  // the static merge buffers and sm_new, with room
     const int room = current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() - fixed;
     const int fit = room / attn_mma_smem_bytes(D / 32, 1);
     const int want = attn_mma_stages() ? attn_mma_stages() : kAttnMmaMaxStages;
@@ -366,11 +367,22 @@ static int& attn_mma_one_split() {
 }
 void set_attn_mma_one_split(int slots) { attn_mma_one_split() = slots > 0 ? slots : 0; }
 
+static bool& attn_mma_d256() {
+    static bool enabled = false;
+    return enabled;
+}
+void set_attn_mma_d256(bool enabled) { attn_mma_d256() = enabled; }
+
 int decode_attention_mma_stages(const DecodeAttnArgs& a) {
     // cp.async moves 16-byte chunks: rows and bases 16-byte aligned, as a cache's are.
     const bool aligned = ((uintptr_t)a.k | (uintptr_t)a.v) % 16 == 0 && ((a.kv_t | a.kv_h | a.kv_b) * 2) % 16 == 0;
-    const bool takes = attn_mma_slots() > 0 && a.S >= attn_mma_slots() && (a.D == 64 || a.D == 128) && aligned;
+    const bool dim = a.D == 64 || a.D == 128 || (a.D == 256 && attn_mma_d256());
+    const bool takes = attn_mma_slots() > 0 && a.S >= attn_mma_slots() && dim && aligned;
     return takes ? attn_mma_stages_for(a.D) : 0;
+}
+
+int decode_attention_mma_keys(const DecodeAttnArgs& a) {
+    return decode_attention_mma_stages(a) > 0 ? attn_mma_keys(a.D / 32) : 0;
 }
 
 static int& attn_one_load_splits() {
@@ -379,17 +391,18 @@ static int& attn_one_load_splits() {
 }
 void set_attn_one_load_splits(int splits) { attn_one_load_splits() = splits > 0 ? splits : 0; }
 
-int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma) {
+int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, int mma_keys) {
     const int blocks_per_split = decode_attention_counters(batch, kv_heads, groups);
-    if (mma) {
+    if (mma_keys > 0) {
         // The tensor-core walk: one split (no merge through the workspace) up to 256 slots (two steps
         // per warp, both fetched by a three-stage ring's prologue); beyond that a split per step of
         // each warp, up to one block per SM (the ring is most of an SM's shared memory). Measured
         // (H200, Llama-3.1-8B heads, bench.attention, session 19): 256 slots 5.2 us in one split
         // against 6.3 in two; 512 slots 6.6 in four against 7.2 in two; 1,024 7.2 in eight against
-        // 7.6 in four.
-        if (slots <= attn_mma_one_split()) return 1;
-        const int by_keys = (slots + kAttnWarps * kAttnMmaKeys - 1) / (kAttnWarps * kAttnMmaKeys);
+        // 7.6 in four. Head dim 256 (8-key steps) scales both by its step, two steps per warp being
+        // 128 slots there (not measured).
+        if (slots <= attn_mma_one_split() * mma_keys / kAttnMmaKeys) return 1;
+        const int by_keys = (slots + kAttnWarps * mma_keys - 1) / (kAttnWarps * mma_keys);
         const int cap = (sms > 0 ? sms : 132) / blocks_per_split;
         int n = by_keys < cap ? by_keys : cap;
         n = n < 64 ? n : 64;
@@ -437,7 +450,10 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
                 if (ns == 3) return with_ring(decode_attention_kernel<4, C, true, 3>, attn_mma_smem_bytes(4, 3));
                 if (ns == 2) return with_ring(decode_attention_kernel<4, C, true, 2>, attn_mma_smem_bytes(4, 2));
                 return launch_pdl(decode_attention_kernel<4, C, false>, grid, block, 0, stream, pdl, a);
-            case 256: return launch_pdl(decode_attention_kernel<8, C, false>, grid, block, 0, stream, pdl, a);
+            case 256:
+                if (ns == 3) return with_ring(decode_attention_kernel<8, C, true, 3>, attn_mma_smem_bytes(8, 3));
+                if (ns == 2) return with_ring(decode_attention_kernel<8, C, true, 2>, attn_mma_smem_bytes(8, 2));
+                return launch_pdl(decode_attention_kernel<8, C, false>, grid, block, 0, stream, pdl, a);
             default: return cudaErrorInvalidValue;
         }
     };

@@ -1,10 +1,11 @@
 // How a warp of the decode attention kernel (decode_attention.cu) walks its share of a block's
 // keys: the scores of the block's query heads, an online softmax in base 2, and the weighted sum
 // of values, left unnormalized with the running max and sum for the block's merge. Two walks:
-// - attn_walk_mma (head dim 64 or 128, the default): 16 keys a step on the tensor cores, K and V
-//   rows staged through shared memory by cp.async ahead of use;
-// - attn_walk_scalar (head dim 256, or set_attn_mma_slots(0)): 16 keys per load into registers
-//   (one memory round trip), scored 8 at a time with fp32 FMAs.
+// - attn_walk_mma (head dim 64 or 128, the default; 256 with set_attn_mma_d256): 16 keys a step
+//   (8 at head dim 256) on the tensor cores, K and V rows staged through shared memory by cp.async
+//   ahead of use;
+// - attn_walk_scalar (head dim 256 by default, or set_attn_mma_slots(0)): 16 keys per load into
+//   registers (one memory round trip), scored 8 at a time with fp32 FMAs.
 // Steps whose keys are all masked (-inf: slots past the position, outside a window) are skipped.
 // Each walk has a CAP variant for Gemma 2's soft cap: softcap * tanh(score / softcap) before the
 // mask (attn_softcap2).
@@ -230,7 +231,8 @@ __device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q
         for (int d = 0; d < DL; ++d) out.o[g][lane * DL + d] = o[g][d];
 }
 
-// The tensor-core key walk (MMA, D = 64 or 128; set_attn_mma_slots). Why: at 32,768 slots the
+// The tensor-core key walk (MMA, D = 64 or 128, and 256 with set_attn_mma_d256, whose form is
+// attn_mma_step_d256's; set_attn_mma_slots). Why: at 32,768 slots the
 // scalar walk spent ~1,000 instructions per 16 keys and warp (fp32 dot products, a transposing
 // butterfly, the values' FMAs) and moved 3.0 TB/s where torch's SDPA moved 3.5; this walk moves
 // 3.4, and is faster than the scalar one at every span measured, 256 slots included
@@ -242,11 +244,14 @@ __device__ __forceinline__ void attn_walk_scalar(const AttnWarpKeys& w, QRow&& q
 // phase reads sit in 8 different bank groups). Three stages (192 KB a block at D = 128: one block
 // per SM) where they fit, as on the H100/H200; two where a block gets less shared memory (A100:
 // 163 KB); none (the scalar walk) below that.
-constexpr int kAttnMmaKeys = 16;  // keys per step
+constexpr int kAttnMmaKeys = 16;  // keys per step at head dims 64 and 128
 constexpr int kAttnMmaMaxStages = 3;
+// Keys per step at head dim 32 dl: 16, or 8 at head dim 256, so that a stage stays at 8 KB and
+// three per warp still fit a block's shared memory (the walk's head-dim-256 form, below).
+__host__ __device__ constexpr int attn_mma_keys(int dl) { return dl <= 4 ? kAttnMmaKeys : kAttnMmaKeys / 2; }
 // Bytes of one ring stage (K rows, then V rows) and of a block's rings, at head dim 32 dl.
 __host__ __device__ constexpr int attn_mma_stage_bytes(int dl) {
-    return 2 * kAttnMmaKeys * 32 * dl * 2;
+    return 2 * attn_mma_keys(dl) * 32 * dl * 2;
 }
 __host__ __device__ constexpr int attn_mma_smem_bytes(int dl, int ns) {
     return kAttnWarps * ns * attn_mma_stage_bytes(dl);
@@ -269,24 +274,33 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     const half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&h);
 }
+// d += a b for one m16n8k8 tile (fp16 in, fp32 accumulators): a0 rows 0..7, a1 rows 8..15.
+__device__ __forceinline__ void mma_1688(float d[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
 
-// Steps of 16 keys in a warp's share.
+// Steps of attn_mma_keys(DL) keys in a warp's share.
+template <int DL>
 __device__ __forceinline__ int attn_mma_steps(const AttnWarpKeys& w) {
-    return w.j_end > w.j_begin ? (w.j_end - w.j_begin + kAttnMmaKeys - 1) / kAttnMmaKeys : 0;
+    constexpr int SK = attn_mma_keys(DL);
+    return w.j_end > w.j_begin ? (w.j_end - w.j_begin + SK - 1) / SK : 0;
 }
 // Step t's K and V rows into ring stage t % NS (chunk c of row r at c ^ (r & 7); rows past j_end
 // read nothing: zero fill). Every call commits a group, so the waits count alike.
 template <int DL, int NS>
 __device__ __forceinline__ void attn_mma_issue(const AttnWarpKeys& w, int lane, uint32_t ring_sa, int t, int nsteps) {
-    constexpr int D = 32 * DL, RC = D / 8, SB = attn_mma_stage_bytes(DL), VOFF = kAttnMmaKeys * RC * 16;
+    constexpr int D = 32 * DL, RC = D / 8, SB = attn_mma_stage_bytes(DL), SK = attn_mma_keys(DL);
+    constexpr int VOFF = SK * RC * 16;
     if (t < nsteps) {
-        const int j0 = w.j_begin + t * kAttnMmaKeys;
+        const int j0 = w.j_begin + t * SK;
         const uint32_t dst = ring_sa + (uint32_t)((t % NS) * SB);
 #pragma unroll
-        for (int c0 = 0; c0 < 2 * kAttnMmaKeys * RC; c0 += 32) {
+        for (int c0 = 0; c0 < 2 * SK * RC; c0 += 32) {
             const int c = c0 + lane;
-            const bool is_v = c >= kAttnMmaKeys * RC;
-            const int cw = is_v ? c - kAttnMmaKeys * RC : c;  // the chunk within K's or V's rows
+            const bool is_v = c >= SK * RC;
+            const int cw = is_v ? c - SK * RC : c;  // the chunk within K's or V's rows
             const int r = cw / RC, ch = cw % RC;
             const int j = j0 + r;
             const half* src = (is_v ? w.v : w.k) - lane * DL + (size_t)(j < w.j_end ? j : j0) * w.kv_t + ch * 8;
@@ -302,9 +316,79 @@ __device__ __forceinline__ void attn_mma_issue(const AttnWarpKeys& w, int lane, 
 template <int DL, int NS>
 __device__ __forceinline__ void attn_mma_prefetch(const AttnWarpKeys& w, int lane, unsigned char* ring) {
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-    const int nsteps = attn_mma_steps(w);
+    const int nsteps = attn_mma_steps<DL>(w);
 #pragma unroll
     for (int t = 0; t < NS - 1; ++t) attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps);
+}
+
+// One step of the head-dim-256 walk (attn_walk_mma at DL 8): 8 keys, whose stage is ring stage
+// `st`. 16 keys of K and V at head dim 256 would take 16 KB a stage, too much for three stages per
+// warp, and the 16 x 256 output accumulators of the D <= 128 form (P as A against V) would take
+// 128 registers per lane. So the values' product is turned around: O^T += V^T P^T, m16n8k8 MMAs
+// with 16 of the head's dimensions as rows (V^T from ldmatrix.trans), the 8 keys as k, and the
+// query heads as the columns: the probabilities of head g for keys 2 cq, 2 cq + 1, which this lane
+// holds as the scores' accumulators left them, are exactly its fragment of B. 16 MMAs a step and
+// 64 accumulator registers; a lane holds heads 2 cq, 2 cq + 1 (real for cq < 2) of dimensions
+// 16 mt + g and 16 mt + g + 8.
+template <bool CAP>
+__device__ __forceinline__ void attn_mma_step_d256(const AttnWarpKeys& w, const uint32_t (&qa)[16][2], uint32_t st,
+                                                   int jb, int lane, float (&o)[16][4], float& m_run, float& l_run) {
+    constexpr int RC = 32, VOFF = 8 * RC * 16;
+    const int cq = lane & 3;
+    float mk[2];  // this lane's keys jb + 2 cq + e, mask in base 2
+    bool any = false;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int j = jb + 2 * cq + e;
+        mk[e] = j < w.j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
+        any |= mk[e] != -INFINITY;
+    }
+    if (!__any_sync(0xffffffffu, any)) return;  // nothing here may be attended
+    // Scores: ldmatrix rows: lane t reads key t & 7, chunk 2 ks + (t >> 3): B of k steps ks, ks + 1.
+    const int kr_ = lane & 7, kc = lane >> 3;
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // even and odd k steps: two chains
+#pragma unroll
+    for (int ks = 0; ks < 16; ks += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(st + (uint32_t)((kr_ * RC + ((2 * ks + kc) ^ kr_)) * 16), b0, b1, b2, b3);
+        mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
+        mma_16816(sc[1], qa[ks + 1][0], 0u, qa[ks + 1][1], 0u, b2, b3);
+    }
+    const float qscale = w.scale * kLog2e;
+    float s2[2], mx = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const float s = sc[0][e] + sc[1][e];
+        if constexpr (CAP) {
+            s2[e] = attn_softcap2(s * qscale, w.cap2) + mk[e];
+        } else {
+            s2[e] = fmaf(s, qscale, mk[e]);
+        }
+        mx = fmaxf(mx, s2[e]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const bool none = m_new == -INFINITY;  // every key so far masked for this head
+    const float alpha = none ? 1.f : exp2f(m_run - m_new);
+    const float p0 = none ? 0.f : exp2f(s2[0] - m_new), p1 = none ? 0.f : exp2f(s2[1] - m_new);
+    l_run = l_run * alpha + (p0 + p1);
+    m_run = m_new;
+    const uint32_t pb = pack_half2(p0, p1);
+    // The rescale of the columns this lane holds: heads 2 cq and 2 cq + 1, whose alpha is on lanes 8 cq, 8 cq + 4.
+    const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * cq), a1 = __shfl_sync(0xffffffffu, alpha, 8 * cq + 4);
+    // V^T: ldmatrix.trans rows: lane t reads key t & 7, chunk 2 mt + (t >> 3): A of m tiles mt, mt + 1.
+#pragma unroll
+    for (int mt = 0; mt < 16; mt += 2) {
+        uint32_t v0, v1, v2, v3;
+        ldmatrix_x4_trans(st + VOFF + (uint32_t)((kr_ * RC + ((2 * mt + kc) ^ kr_)) * 16), v0, v1, v2, v3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            o[mt + i][0] *= a0, o[mt + i][1] *= a1, o[mt + i][2] *= a0, o[mt + i][3] *= a1;
+        }
+        mma_1688(o[mt], v0, v1, pb);
+        mma_1688(o[mt + 1], v2, v3, pb);
+    }
 }
 
 // prefetched: attn_mma_prefetch already issued the prologue; then the row of slot patch_slot (this
@@ -314,15 +398,16 @@ template <int DL, bool CAP, int NS, typename QRow>
 __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_row, int lane, unsigned char* ring,
                                               const AttnWarpOut<32 * DL>& out, bool prefetched = false,
                                               long patch_slot = -1, const half* new_rows = nullptr) {
-    static_assert(DL == 2 || DL == 4, "the tensor-core walk: D = 64 or 128");
+    static_assert(DL == 2 || DL == 4 || DL == 8, "the tensor-core walk: D = 64, 128 or 256");
     using Row = typename HalfRow<DL>::T;
     constexpr int D = 32 * DL;
     const int j_begin = w.j_begin, j_end = w.j_end;
     constexpr int KS = D / 16;  // k steps of the scores
-    constexpr int NT = D / 8;   // n tiles of the output
+    constexpr int NT = D / 8;   // n tiles of the output (D <= 128)
     constexpr int RC = D / 8;   // 16-byte chunks per K or V row
     constexpr int SB = attn_mma_stage_bytes(DL);
-    constexpr int VOFF = kAttnMmaKeys * RC * 16;  // the stage's V rows
+    constexpr int SK = attn_mma_keys(DL);
+    constexpr int VOFF = SK * RC * 16;  // the stage's V rows
     const int g = lane >> 2, cq = lane & 3;       // MMA fragment coordinates
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
@@ -341,7 +426,7 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
     }
     __syncwarp();  // the ring's stages overwrite sq next
 
-    const int nsteps = attn_mma_steps(w);
+    const int nsteps = attn_mma_steps<DL>(w);
     auto issue = [&](int t) { attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps); };
     if (!prefetched) {
 #pragma unroll
@@ -349,10 +434,10 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
     }
     // This step's token row (slot `patch_slot`, written by this kernel after its prefetch) into the
     // stage the prologue fetched it to: the prefetch read the slot before the write.
-    if (prefetched && patch_slot >= j_begin && patch_slot < j_end && patch_slot < j_begin + (NS - 1) * kAttnMmaKeys) {
+    if (prefetched && patch_slot >= j_begin && patch_slot < j_end && patch_slot < j_begin + (NS - 1) * SK) {
         cp_async_wait<0>();
         __syncwarp();
-        const int t = (patch_slot - j_begin) / kAttnMmaKeys, r = (patch_slot - j_begin) % kAttnMmaKeys;
+        const int t = (patch_slot - j_begin) / SK, r = (patch_slot - j_begin) % SK;
         unsigned char* st = ring + (t % NS) * SB;
         for (int c = lane; c < 2 * RC; c += 32) {  // K's chunks, then V's
             const int ch = c % RC;
@@ -362,93 +447,122 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
         __syncwarp();
     }
 
-    // ldmatrix rows: K (non-transposed, B of the scores): lane t reads key (t >> 4) * 8 + (t & 7),
-    // chunk 2 ks + ((t >> 3) & 1); V (transposed, B of the output): key ((t >> 3) & 1) * 8 + (t & 7),
-    // chunk nt + (t >> 4).
-    const int kr_ = (lane >> 4) * 8 + (lane & 7), kc = (lane >> 3) & 1;
-    const int vr_ = ((lane >> 3) & 1) * 8 + (lane & 7), vc = lane >> 4;
-    const float qscale = w.scale * kLog2e;
-    float o[NT][4];
+    if constexpr (DL == 8) {
+        float o[16][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-    float m_run = -INFINITY, l_run = 0.f;  // head g's (lanes of one g agree on m_run; l_run is this lane's part)
-    for (int t = 0; t < nsteps; ++t) {
-        cp_async_wait<NS - 2>();
-        __syncwarp();
-        issue(t + NS - 1);  // into the stage read at step t - 1
-        const int jb = j_begin + t * kAttnMmaKeys;
-        // This lane's 4 keys: jb + 8 kt + 2 cq + e.
-        float mk[2][2];
-        bool any = false;
-#pragma unroll
-        for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = jb + 8 * kt + 2 * cq + e;
-                mk[kt][e] = j < j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
-                any |= mk[kt][e] != -INFINITY;
-            }
-        if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended
-        const uint32_t st = ring_sa + (uint32_t)((t % NS) * SB);
-        float sc[2][4];
-#pragma unroll
-        for (int kt = 0; kt < 2; ++kt) sc[kt][0] = sc[kt][1] = sc[kt][2] = sc[kt][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            uint32_t b00, b01, b10, b11;
-            ldmatrix_x4(st + (uint32_t)((kr_ * RC + ((2 * ks + kc) ^ (kr_ & 7))) * 16), b00, b01, b10, b11);
-            mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b00, b01);
-            mma_16816(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b10, b11);
+        for (int mt = 0; mt < 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+        float m_run = -INFINITY, l_run = 0.f;  // head g's, as in the D <= 128 form below
+        for (int t = 0; t < nsteps; ++t) {
+            cp_async_wait<NS - 2>();
+            __syncwarp();
+            issue(t + NS - 1);  // into the stage read at step t - 1
+            attn_mma_step_d256<CAP>(w, qa, ring_sa + (uint32_t)((t % NS) * SB), j_begin + t * SK, lane, o, m_run, l_run);
         }
-        // Online softmax of head g over the 16 keys (its 4 here, the rest on lanes g*4..g*4+3).
-        float s4[2][2], mx = -INFINITY;
-#pragma unroll
-        for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                if constexpr (CAP) {
-                    s4[kt][e] = attn_softcap2(sc[kt][e] * qscale, w.cap2) + mk[kt][e];
-                } else {
-                    s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
-                }
-                mx = fmaxf(mx, s4[kt][e]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run, mx);
-        const bool none = m_new == -INFINITY;  // every key so far masked for this head
-        const float alpha = none ? 1.f : exp2f(m_run - m_new);
-        float p[2][2];
-#pragma unroll
-        for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) p[kt][e] = none ? 0.f : exp2f(s4[kt][e] - m_new);
-        l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-        m_run = m_new;
-        const uint32_t pa0 = pack_half2(p[0][0], p[0][1]), pa2 = pack_half2(p[1][0], p[1][1]);
-#pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-            uint32_t v00, v01, v10, v11;
-            const uint32_t va = st + VOFF + (uint32_t)((vr_ * RC + ((nt + vc) ^ (vr_ & 7))) * 16);
-            ldmatrix_x4_trans(va, v00, v01, v10, v11);
-            o[nt][0] *= alpha, o[nt][1] *= alpha, o[nt + 1][0] *= alpha, o[nt + 1][1] *= alpha;
-            mma_16816(o[nt], pa0, 0u, pa2, 0u, v00, v01);
-            mma_16816(o[nt + 1], pa0, 0u, pa2, 0u, v10, v11);
-        }
-    }
-    cp_async_wait<0>();
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-    // This warp's partial of head g: rows 0..3 of the accumulators, columns 8 nt + 2 cq (+1).
-    if (g < kAttnHeads) {
-        if (cq == 0) {
+        cp_async_wait<0>();
+        l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+        l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+        if (g < kAttnHeads && cq == 0) {
             out.m[g] = m_run;
             out.l[g] = l_run;
         }
+        if (cq < 2) {  // heads 2 cq, 2 cq + 1: dimensions 16 mt + g (+ 8)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            out.o[g][8 * nt + 2 * cq] = o[nt][0];
-            out.o[g][8 * nt + 2 * cq + 1] = o[nt][1];
+            for (int mt = 0; mt < 16; ++mt) {
+                out.o[2 * cq][16 * mt + g] = o[mt][0];
+                out.o[2 * cq + 1][16 * mt + g] = o[mt][1];
+                out.o[2 * cq][16 * mt + 8 + g] = o[mt][2];
+                out.o[2 * cq + 1][16 * mt + 8 + g] = o[mt][3];
+            }
+        }
+    } else {
+        // ldmatrix rows: K (non-transposed, B of the scores): lane t reads key (t >> 4) * 8 + (t & 7),
+        // chunk 2 ks + ((t >> 3) & 1); V (transposed, B of the output): key ((t >> 3) & 1) * 8 + (t & 7),
+        // chunk nt + (t >> 4).
+        const int kr_ = (lane >> 4) * 8 + (lane & 7), kc = (lane >> 3) & 1;
+        const int vr_ = ((lane >> 3) & 1) * 8 + (lane & 7), vc = lane >> 4;
+        const float qscale = w.scale * kLog2e;
+        float o[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+        float m_run = -INFINITY, l_run = 0.f;  // head g's (lanes of one g agree on m_run; l_run is this lane's part)
+        for (int t = 0; t < nsteps; ++t) {
+            cp_async_wait<NS - 2>();
+            __syncwarp();
+            issue(t + NS - 1);  // into the stage read at step t - 1
+            const int jb = j_begin + t * kAttnMmaKeys;
+            // This lane's 4 keys: jb + 8 kt + 2 cq + e.
+            float mk[2][2];
+            bool any = false;
+#pragma unroll
+            for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = jb + 8 * kt + 2 * cq + e;
+                    mk[kt][e] = j < j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
+                    any |= mk[kt][e] != -INFINITY;
+                }
+            if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended
+            const uint32_t st = ring_sa + (uint32_t)((t % NS) * SB);
+            float sc[2][4];
+#pragma unroll
+            for (int kt = 0; kt < 2; ++kt) sc[kt][0] = sc[kt][1] = sc[kt][2] = sc[kt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                uint32_t b00, b01, b10, b11;
+                ldmatrix_x4(st + (uint32_t)((kr_ * RC + ((2 * ks + kc) ^ (kr_ & 7))) * 16), b00, b01, b10, b11);
+                mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b00, b01);
+                mma_16816(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b10, b11);
+            }
+            // Online softmax of head g over the 16 keys (its 4 here, the rest on lanes g*4..g*4+3).
+            float s4[2][2], mx = -INFINITY;
+#pragma unroll
+            for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if constexpr (CAP) {
+                        s4[kt][e] = attn_softcap2(sc[kt][e] * qscale, w.cap2) + mk[kt][e];
+                    } else {
+                        s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
+                    }
+                    mx = fmaxf(mx, s4[kt][e]);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run, mx);
+            const bool none = m_new == -INFINITY;  // every key so far masked for this head
+            const float alpha = none ? 1.f : exp2f(m_run - m_new);
+            float p[2][2];
+#pragma unroll
+            for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) p[kt][e] = none ? 0.f : exp2f(s4[kt][e] - m_new);
+            l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+            m_run = m_new;
+            const uint32_t pa0 = pack_half2(p[0][0], p[0][1]), pa2 = pack_half2(p[1][0], p[1][1]);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt += 2) {
+                uint32_t v00, v01, v10, v11;
+                const uint32_t va = st + VOFF + (uint32_t)((vr_ * RC + ((nt + vc) ^ (vr_ & 7))) * 16);
+                ldmatrix_x4_trans(va, v00, v01, v10, v11);
+                o[nt][0] *= alpha, o[nt][1] *= alpha, o[nt + 1][0] *= alpha, o[nt + 1][1] *= alpha;
+                mma_16816(o[nt], pa0, 0u, pa2, 0u, v00, v01);
+                mma_16816(o[nt + 1], pa0, 0u, pa2, 0u, v10, v11);
+            }
+        }
+        cp_async_wait<0>();
+        l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+        l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+        // This warp's partial of head g: rows 0..3 of the accumulators, columns 8 nt + 2 cq (+1).
+        if (g < kAttnHeads) {
+            if (cq == 0) {
+                out.m[g] = m_run;
+                out.l[g] = l_run;
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                out.o[g][8 * nt + 2 * cq] = o[nt][0];
+                out.o[g][8 * nt + 2 * cq + 1] = o[nt][1];
+            }
         }
     }
 }

@@ -329,13 +329,20 @@ struct DecodeAttnArgs {
     const half* k_norm = nullptr;
     float head_norm_eps = 0.f;
 };
-// mma: the tensor-core key walk serves the call (decode_attention_mma_stages > 0), one block per SM.
-int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, bool mma = false);
+// mma_keys: the tensor-core key walk serves the call with steps of this many keys
+// (decode_attention_mma_keys), one block per SM; 0: the scalar walk.
+int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int sms, int mma_keys = 0);
 // The ring stages of the tensor-core key walk for a call, 0 where the scalar walk serves it: the
-// walk takes D = 64 or 128, 16-byte aligned rows, a span of at least set_attn_mma_slots() slots
-// (default 1: all; 0 never), and a GPU that fits two stages or more in a block's shared memory.
+// walk takes D = 64 or 128 (and 256 with set_attn_mma_d256), 16-byte aligned rows, a span of at
+// least set_attn_mma_slots() slots (default 1: all; 0 never), and a GPU that fits two stages or
+// more in a block's shared memory.
 int decode_attention_mma_stages(const DecodeAttnArgs& a);
+// Keys per step of the walk that serves a call: 16, 8 at head dim 256, 0 for the scalar walk.
+int decode_attention_mma_keys(const DecodeAttnArgs& a);
 void set_attn_mma_slots(int slots);
+// Whether head dim 256 (Gemma) takes the tensor-core walk (default off: written in session 21,
+// which had no GPU to check it; the scalar walk otherwise).
+void set_attn_mma_d256(bool enabled);
 // The tensor-core walk's ring stages: 0 (default) the most that fit, up to 3; 2 or 3 where they fit.
 void set_attn_mma_stages(int stages);
 // The tensor-core walk takes one split (no merge) for spans of at most this many slots (default

@@ -470,10 +470,12 @@ def test_rope_store_matches_rope_then_cache_write():
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
 
 
-@pytest.mark.parametrize("D,H,Hk,B", [(128, 32, 8, 1), (64, 9, 3, 2), (256, 8, 8, 1), (128, 28, 4, 2)])
+@pytest.mark.parametrize("D,H,Hk,B,mma256", [(128, 32, 8, 1, False), (64, 9, 3, 2, False), (256, 8, 8, 1, False),
+                                             (256, 16, 8, 1, True), (128, 28, 4, 2, False)])
 @pytest.mark.parametrize("span,pos", [(256, 0), (256, 200), (4096, 37), (4096, 4095), (17, 16)])
 @pytest.mark.parametrize("cap,norms", [(None, False), (2.0, False), (None, True)])
-def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, pos, cap, norms, monkeypatch):
+def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, mma256, span, pos, cap, norms, monkeypatch,
+                                                           request):
     """The decode attention kernel doing the step's RoPE and cache write itself (PendingRope): the
     same cache bits and the same output bits as the RoPE-and-store kernel followed by the plain
     attention kernel, whichever split holds the token's slot (one split or many), with grouped
@@ -483,6 +485,8 @@ def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, span, p
 
     g = torch.Generator(device=DEV).manual_seed(D + H + span + pos)
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
+    ops.extension().set_attn_mma_d256(mma256)  # head dim 256 on the tensor-core walk: its early fetch and patch
+    request.addfinalizer(lambda: ops.extension().set_attn_mma_d256(ops.ATTN_MMA_D256))
     head_norms = None
     if norms:  # weights around 1, different for q and k, and an eps that matters at this scale
         head_norms = tuple(RMSNorm((1 + 0.3 * torch.randn(D, generator=g, device=DEV)).half(), 1e-2) for _ in range(2))
@@ -752,14 +756,15 @@ def _masked_attention_case(S: int, seed: int, H: int, Hkv: int, D: int, B: int):
 @pytest.mark.parametrize("S", [1, 37, 256, 4100])
 def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):
     """Gemma 2's soft cap (scores -> softcap * tanh(scores / softcap) before the mask) in the
-    kernel against the fp32 reference: the tensor-core and the scalar walks at head dims 64 and
-    128, the scalar walk at 256, with and without masks, one split and many. A cap of 1.5 squashes
-    most scores here, so a kernel that skipped it would be far off."""
+    kernel against the fp32 reference: the tensor-core and the scalar walks (head dim 256's 8-key
+    tensor-core walk turned on here), with and without masks, one split and many. A cap of 1.5
+    squashes most scores here, so a kernel that skipped it would be far off."""
     from engine.models.layers import one_query_attention
 
     q, k, v, window, per_row = _masked_attention_case(S, S + D + H + 1, H, Hkv, D, B)
     scale, cap = 0.25, 1.5
     ext = ops.extension()
+    ext.set_attn_mma_d256(True)
     try:
         for mma_slots, mask in itertools.product((1, 0), (None, window, per_row)):
             ext.set_attn_mma_slots(mma_slots)
@@ -772,6 +777,7 @@ def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):
                 assert rel_rms(plain, want) > 2e-2  # the cap matters in this case
     finally:
         ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
+        ext.set_attn_mma_d256(ops.ATTN_MMA_D256)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="softcap"):
             ops.decode_attention(q, k, v, None, scale, softcap=bad)
@@ -843,19 +849,23 @@ def test_decode_attention_one_load_splits_match_reference(S):
         ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
 
 
-@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2), (128, 28, 4, 2), (128, 8, 8, 1), (64, 14, 2, 1)])
+@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2), (128, 28, 4, 2), (128, 8, 8, 1), (64, 14, 2, 1),
+                                       (256, 16, 8, 1), (256, 8, 4, 2), (256, 7, 1, 1)])
 @pytest.mark.parametrize("S", [1, 9, 16, 17, 256, 1300, 9000, 33000])
 def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
-    """Decode attention walking its keys on the tensor cores (set_attn_mma_slots(1), the default)
-    gives the reference's attention and the scalar walk's up to rounding (its probabilities enter
-    the MMA as fp16): one split (spans up to 256, unless set_attn_mma_one_split(0)) or many, steps past a warp's
-    last key (rows that read nothing), head groups of 1 to 7 heads (a partial block of 4), a window
-    that leaves whole splits masked, a per-sequence mask, and rows that are not 16-byte aligned
-    (then it declines: the scalar walk's result exactly)."""
+    """Decode attention walking its keys on the tensor cores (set_attn_mma_slots(1), the default;
+    head dim 256 with set_attn_mma_d256, its 8-key form) gives the reference's attention and the
+    scalar walk's up to rounding (its probabilities enter the MMA as fp16): one split (spans up to
+    256, 128 at head dim 256, unless set_attn_mma_one_split(0)) or many, steps past a warp's last
+    key (rows that read nothing), head groups of 1 to 7 heads (a partial block of 4), a window that
+    leaves whole splits masked, a per-sequence mask, and rows that are not 16-byte aligned (then it
+    declines: the scalar walk's result exactly; head dim 256 rows are never 8 bytes off, the
+    binding wants 16-byte rows there)."""
     q, k, v, window, per_row = _masked_attention_case(S, S + D + H, H, Hkv, D, B)
     g = torch.Generator(device=DEV).manual_seed(S + D + H + 7)  # for the misaligned rows below
     scale = D ** -0.5
     ext = ops.extension()
+    ext.set_attn_mma_d256(True)
     try:
         for one_split, mask in itertools.product((ops.ATTN_MMA_ONE_SPLIT, 0), (None, window, per_row)):
             ext.set_attn_mma_one_split(one_split)  # 0: spans up to 256 slots in several splits too
@@ -866,6 +876,11 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
             want = _attention_reference(q, k, v, mask)
             assert rel_rms(mma, want) < 2e-3 and rel_rms(scalar, want) < 2e-3, (one_split, mask is None)
             assert rel_rms(mma, scalar) < 1e-3, (one_split, mask is None)
+        ext.set_attn_mma_slots(1)
+        walk = kernels_run(lambda: ops.decode_attention(q, k, v, None, scale), "decode_attention_kernel")
+        assert walk and all(f"<{D // 32}, false, true, " in n for n in walk), walk  # the tensor-core walk ran
+        if D == 256:
+            return
         # Rows 8 bytes off a 16-byte boundary (the binding wants D / 32 halves): the scalar walk.
         base = torch.randn(B * Hkv * (S + 1) * D + 8, generator=g, device=DEV).half()
         odd = base[4:4 + B * Hkv * S * D].view(B, Hkv, S, D)
@@ -876,14 +891,16 @@ def test_decode_attention_tensor_core_walk_matches_scalar(D, H, Hkv, B, S):
     finally:
         ext.set_attn_mma_slots(ops.ATTN_MMA_SLOTS)
         ext.set_attn_mma_one_split(ops.ATTN_MMA_ONE_SPLIT)
+        ext.set_attn_mma_d256(ops.ATTN_MMA_D256)
 
 
-@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2)])
+@pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 8, 1), (64, 9, 3, 2), (256, 16, 8, 1)])
 def test_decode_attention_two_stage_ring_matches_three(D, H, Hkv, B):
     """The tensor-core walk with a two-stage ring (what a GPU with less shared memory per block,
     such as the A100, gets; set_attn_mma_stages(2)) gives the three-stage walk's attention up to
     fp32 rounding and the reference's, and the launched kernel is the two-stage one."""
     ext = ops.extension()
+    ext.set_attn_mma_d256(True)
     try:
         for S in (9, 256, 1300, 9000):
             q, k, v, window = _split_attention_case(S, seed=S + D, H=H, Hkv=Hkv, D=D, B=B)
@@ -899,6 +916,7 @@ def test_decode_attention_two_stage_ring_matches_three(D, H, Hkv, B):
                 assert rel_rms(two, three) < 1e-3, S
     finally:
         ext.set_attn_mma_stages(0)
+        ext.set_attn_mma_d256(ops.ATTN_MMA_D256)
 
 
 def test_argmax_kernel_is_torch_argmax():

@@ -83,6 +83,10 @@ ATTN_MMA_SLOTS = int(os.environ.get("TRELLIS_ATTN_MMA_SLOTS", "1") or 0)
 # Up to how many slots the tensor-core walk takes one split (the extension's default; benchmarks
 # and tests that change it restore this).
 ATTN_MMA_ONE_SPLIT = 256
+# Head dim 256 (Gemma) on the tensor-core walk too, in steps of 8 keys (TRELLIS_ATTN_MMA_D256=1).
+# Off by default until a GPU run has checked it (written in session 21, which had none); the
+# scalar walk serves head dim 256 otherwise.
+ATTN_MMA_D256 = os.environ.get("TRELLIS_ATTN_MMA_D256", "0") == "1"
 
 # Decode attention over short caches gives each warp one load of 16 keys while that takes at most
 # this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
@@ -140,6 +144,7 @@ def extension():
         _ext.set_self_prep(SELF_PREP)
         _ext.set_attn_merge_online(ATTN_MERGE_ONLINE)
         _ext.set_attn_mma_slots(ATTN_MMA_SLOTS)
+        _ext.set_attn_mma_d256(ATTN_MMA_D256)
         _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
         # Which fp16-path products read their activations from one copy per block instead of one per
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
