@@ -99,6 +99,16 @@ def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Pat
     return model_dir
 
 
+def model_label(model_dir: Path, shape: str) -> str:
+    """The shape a benchmark row names: the one bench.synth wrote the folder for (an existing
+    --model-dir need not be --shape's, which is only what a missing folder is made as)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return shape
+    return str(config.get("trellis_synth_shape") or config.get("model_type") or shape)
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The synthetic model's options, as bench.decode, bench.prefill and bench.generate take them
     (model_dir_of makes the model the first time)."""
@@ -109,7 +119,11 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def model_dir_of(args: argparse.Namespace) -> Path:
-    return ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
+    """The model folder (made first if missing); args.shape becomes the shape it holds, so rows
+    label the model they timed."""
+    model_dir = ensure_model(Path(args.model_dir), args.shape, args.bits, args.codebook)
+    args.shape = model_label(model_dir, args.shape)
+    return model_dir
 
 
 def load(model_dir: Path, path: str):

@@ -225,7 +225,9 @@ def write_synth_model(out: Path, shape: Shape, bits: float, head_bits: int = 6, 
         (out / name).rename(out / final)
         weight_map.update({k: final for k in keys})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(config_for(shape, bits, head_bits, codebook), indent=2))
+    config = config_for(shape, bits, head_bits, codebook)
+    config["trellis_synth_shape"] = next((name for name, s in SHAPES.items() if s == shape), "custom")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

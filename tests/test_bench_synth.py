@@ -59,3 +59,7 @@ def test_synthetic_qwen3_loads_with_its_head_norms(tmp_path):
     with torch.inference_mode():
         logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
     assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0.1
+    # benchmark rows name the shape the folder holds, not --shape's default
+    from bench.decode import model_label
+
+    assert model_label(out, "llama3-8b") == "tiny-qwen3"
