@@ -8,7 +8,7 @@
 # Turn a default on only if its tests pass and it measures faster.
 source bench/gpu_common.sh
 echo "== synth $(( $(date +%s)-t0 ))s" | tee -a $L
-for s in "qwen3-8b q8b" "gemma2-9b g9b"; do set -- $s; timeout 90 python3 -m bench.synth --shape $1 --bits 4 --out /tmp/$2 --device cuda 2>&1 | tail -1 | tee -a $L; done
+for s in "qwen3-8b q8b" "gemma2-9b g9b" "gemma3-12b g12b"; do set -- $s; timeout 90 python3 -m bench.synth --shape $1 --bits 4 --out /tmp/$2 --device cuda 2>&1 | tail -1 | tee -a $L; done
 echo "== qwen3 decode: head norms in attention / apart $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m bench.decode --model-dir /tmp/q8b --contexts 0 4096 --tokens 128 --paths cuda-graph-pipelined+attnnorms \
   cuda-graph-pipelined+noattnnorms cuda-graph-pipelined+attnnorms cuda-graph-pipelined+noattnnorms 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
@@ -24,4 +24,9 @@ done
 echo "== gemma decode: head dim 256 on the tensor-core / scalar walk $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 200 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 4096 7680 --tokens 96 --paths cuda-graph-pipelined+attnmmad256 \
   cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
+echo "== gemma 3 decode (q/k norms and head dim 256): both / neither / each $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 240 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 --tokens 96 --paths \
+  cuda-graph-pipelined+attnnorms+attnmmad256 cuda-graph-pipelined+noattnnorms+noattnmmad256 \
+  cuda-graph-pipelined+attnnorms cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+attnnorms+attnmmad256 \
+  cuda-graph-pipelined+noattnnorms+noattnmmad256 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L

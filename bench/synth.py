@@ -30,7 +30,9 @@ class Shape:
     kv_heads: int
     vocab: int
     head_dim: int = 128
-    family: str = "llama"  # "gemma2": four norms per layer, tied embedding, soft caps; "qwen3": per-head q/k norms
+    # "gemma2": four norms per layer, tied embedding, soft caps; "qwen3": per-head q/k norms;
+    # "gemma3": Gemma 2's norms and embedding, q/k norms, a local rope on the sliding layers
+    family: str = "llama"
 
 
 SHAPES = {
@@ -43,6 +45,9 @@ SHAPES = {
     # Qwen3-8B: an RMSNorm over each q and k head before RoPE
     "qwen3-8b": Shape(4096, 12288, 36, 32, 8, 151936, 128, "qwen3"),
     "tiny-qwen3": Shape(256, 768, 2, 4, 2, 512, 64, "qwen3"),
+    # Gemma-3-12B: head dim 256, q/k norms, five 1,024-token sliding layers to one global
+    "gemma3-12b": Shape(3840, 15360, 48, 16, 8, 262208, 256, "gemma3"),
+    "tiny-gemma3": Shape(256, 768, 2, 4, 2, 512, 64, "gemma3"),
 }
 
 
@@ -110,9 +115,33 @@ def qwen3_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> di
     }
 
 
+def gemma3_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **dimensions(shape),
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": shape.head_dim,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+        "quantization_config": quantization_config(bits, head_bits, codebook),
+    }
+
+
 def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
     if shape.family == "gemma2":
         return gemma2_config(shape, bits, head_bits, codebook)
+    if shape.family == "gemma3":
+        return gemma3_config(shape, bits, head_bits, codebook)
     if shape.family == "qwen3":
         return qwen3_config(shape, bits, head_bits, codebook)
     return {
@@ -162,20 +191,21 @@ def synth_modules(shape: Shape, bits: float, head_bits: int, codebook: str, seed
     never needs to sit in memory at once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, i, hd = shape.hidden, shape.intermediate, shape.head_dim
+    gemma = shape.family in ("gemma2", "gemma3")
 
     def unit_norm(n: int) -> torch.Tensor:
         """A norm weight that scales by one: Gemma's norms apply (1 + w)."""
-        return torch.full((n,), 0.0 if shape.family == "gemma2" else 1.0, dtype=torch.bfloat16, device=device)
+        return torch.full((n,), 0.0 if gemma else 1.0, dtype=torch.bfloat16, device=device)
 
     yield [("model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=gen, device=device) * 0.02).bfloat16())]
     kq, ko, kgu, kd = layer_bits(bits)
     for layer in range(shape.layers):
         p = f"model.layers.{layer}"
         norms = ["input_layernorm", "post_attention_layernorm"]
-        if shape.family == "gemma2":
+        if gemma:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         tensors = [(f"{p}.{n}.weight", unit_norm(h)) for n in norms]
-        if shape.family == "qwen3":
+        if shape.family in ("qwen3", "gemma3"):
             tensors += [(f"{p}.self_attn.{n}.weight", unit_norm(hd)) for n in ("q_norm", "k_norm")]
         for name, n_in, n_out, K in [
             ("self_attn.q_proj", h, shape.heads * hd, kq),

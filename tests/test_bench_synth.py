@@ -63,3 +63,23 @@ def test_synthetic_qwen3_loads_with_its_head_norms(tmp_path):
     from bench.decode import model_label
 
     assert model_label(out, "llama3-8b") == "tiny-qwen3"
+
+
+def test_synthetic_gemma3_loads_with_its_pattern_and_head_norms(tmp_path):
+    """The Gemma-3 shape (bench.decode --shape gemma3-12b): Gemma's four (1 + w) norms and q/k norms
+    per layer, five sliding layers (with the local rope) to one global, no soft caps; a forward
+    gives finite, varied logits."""
+    import torch
+
+    from engine.models import load_model
+
+    out = write_synth_model(tmp_path / "g3", SHAPES["tiny-gemma3"], bits=4.0, head_bits=6)
+    model = load_model(out, device="cpu", dtype=torch.float32)
+    assert model.config.family == "gemma3" and model.config.qk_norm and model.final_softcap is None
+    assert [layer.self_attn.window for layer in model.layers] == [1024, 1024]
+    assert all(layer.self_attn.is_local and layer.self_attn.softcap is None for layer in model.layers)
+    ones = torch.ones(1, 64)
+    assert torch.allclose(model.layers[0].self_attn.q_norm(ones), ones, atol=1e-5)  # (1 + 0) x / rms(x)
+    with torch.inference_mode():
+        logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0.1
