@@ -111,6 +111,20 @@ def half2(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.stack([lo, hi], axis=1).astype(np.float16)
 
 
+def online_softmax(s: np.ndarray, mk: np.ndarray, m_run: np.ndarray, l_run: np.ndarray, qscale: float,
+                   cap2: float | None):
+    """One step's softmax update on the score accumulators s [32, keys per lane]: base-2 scores
+    (capped), the head's max over the lanes of one g (xor 1, 2), the rescale alpha and the
+    probabilities. Returns p, alpha, m_run, l_run (this lane's part of the head's sum)."""
+    s = (cap2 * np.tanh(s * qscale / cap2) if cap2 else s * qscale) + mk
+    mx = xor_max(xor_max(s.max(axis=1), 1), 2)
+    m_new = np.maximum(m_run, mx)
+    none = m_new == -np.inf  # every key so far masked for this head
+    alpha = np.where(none, 1.0, np.exp2(m_run - np.where(none, 0, m_new)))
+    p = np.where(none[:, None], 0.0, np.exp2(s - np.where(none, 0, m_new)[:, None]))
+    return p, alpha, m_new, l_run * alpha + p.sum(axis=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The walk
 
@@ -154,16 +168,8 @@ def walk(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, mask: np.ndarray
                 b = ldmatrix_x4(st, [(kr_[x] * RC + ((2 * ks + kc[x]) ^ kr_[x])) * 8 for x in range(32)], False)
                 mma_16816(sc[0], [qa[ks][0], zero, qa[ks][1], zero], b[0:2])
                 mma_16816(sc[1], [qa[ks + 1][0], zero, qa[ks + 1][1], zero], b[2:4])
-            s = (sc[0] + sc[1])[:, :2]
-            s2 = (cap2 * np.tanh(s * qscale / cap2) if cap2 else s * qscale) + mk
-            mx = xor_max(xor_max(s2.max(axis=1), 1), 2)
-            m_new = np.maximum(m_run, mx)
-            none = m_new == -np.inf
-            alpha = np.where(none, 1.0, np.exp2(m_run - np.where(none, 0, m_new)))
-            p = np.where(none[:, None], 0.0, np.exp2(s2 - np.where(none, 0, m_new)[:, None]))
-            l_run = l_run * alpha + p.sum(axis=1)
-            m_run = m_new
-            pb = half2(p[:, 0], p[:, 1])[:, :]
+            p, alpha, m_run, l_run = online_softmax((sc[0] + sc[1])[:, :2], mk, m_run, l_run, qscale, cap2)
+            pb = half2(p[:, 0], p[:, 1])
             a0, a1 = alpha[8 * cq], alpha[8 * cq + 4]
             for mt in range(0, 16, 2):
                 v = ldmatrix_x4(st, [voff + (kr_[x] * RC + ((2 * mt + kc[x]) ^ kr_[x])) * 8 for x in range(32)], True)
@@ -185,14 +191,7 @@ def walk(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, mask: np.ndarray
                 mma_16816(sc[0], [qa[ks][0], zero, qa[ks][1], zero], b[0:2])
                 mma_16816(sc[1], [qa[ks][0], zero, qa[ks][1], zero], b[2:4])
             s = np.concatenate([sc[0][:, :2], sc[1][:, :2]], axis=1)  # (kt, e)
-            s4 = (cap2 * np.tanh(s * qscale / cap2) if cap2 else s * qscale) + mk
-            mx = xor_max(xor_max(s4.max(axis=1), 1), 2)
-            m_new = np.maximum(m_run, mx)
-            none = m_new == -np.inf
-            alpha = np.where(none, 1.0, np.exp2(m_run - np.where(none, 0, m_new)))
-            p = np.where(none[:, None], 0.0, np.exp2(s4 - np.where(none, 0, m_new)[:, None]))
-            l_run = l_run * alpha + (p[:, 0] + p[:, 1]) + (p[:, 2] + p[:, 3])
-            m_run = m_new
+            p, alpha, m_run, l_run = online_softmax(s, mk, m_run, l_run, qscale, cap2)
             pa0, pa2 = half2(p[:, 0], p[:, 1]), half2(p[:, 2], p[:, 3])
             for nt in range(0, D // 8, 2):
                 v = ldmatrix_x4(st, [voff + (vr_[x] * RC + ((nt + vc[x]) ^ (vr_[x] & 7))) * 8 for x in range(32)], True)

@@ -76,78 +76,27 @@ def dimensions(shape: Shape) -> dict:
     }
 
 
-def gemma2_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
-    return {
-        "architectures": ["Gemma2ForCausalLM"],
-        "model_type": "gemma2",
-        **dimensions(shape),
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "query_pre_attn_scalar": shape.head_dim,
-        "sliding_window": 4096,
-        "attn_logit_softcapping": 50.0,
-        "final_logit_softcapping": 30.0,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "bos_token_id": 2,
-        "eos_token_id": 1,
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(bits, head_bits, codebook),
-    }
-
-
-def qwen3_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        **dimensions(shape),
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(bits, head_bits, codebook),
-    }
-
-
-def gemma3_config(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
-    return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        **dimensions(shape),
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-        "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": shape.head_dim,
-        "sliding_window": 1024,
-        "sliding_window_pattern": 6,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "bos_token_id": 2,
-        "eos_token_id": 1,
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(bits, head_bits, codebook),
-    }
-
-
-def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+def family_fields(shape: Shape) -> dict:
+    """The config.json fields of the shape's family besides the dimensions: architecture, rope,
+    norms' eps, windows, caps, activation, tying, special tokens."""
+    gemma = {"rms_norm_eps": 1e-6, "query_pre_attn_scalar": shape.head_dim, "hidden_activation": "gelu_pytorch_tanh",
+             "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
     if shape.family == "gemma2":
-        return gemma2_config(shape, bits, head_bits, codebook)
+        return {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **gemma,
+                "max_position_embeddings": 8192, "rope_theta": 10000.0, "sliding_window": 4096,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     if shape.family == "gemma3":
-        return gemma3_config(shape, bits, head_bits, codebook)
+        return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **gemma,
+                "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_local_base_freq": 10000.0,
+                "sliding_window": 1024, "sliding_window_pattern": 6}
     if shape.family == "qwen3":
-        return qwen3_config(shape, bits, head_bits, codebook)
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "max_position_embeddings": 40960,
+                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False, "hidden_act": "silu",
+                "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **dimensions(shape),
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
@@ -162,9 +111,12 @@ def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict
         "hidden_act": "silu",
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(bits, head_bits, codebook),
     }
+
+
+def config_for(shape: Shape, bits: float, head_bits: int, codebook: str) -> dict:
+    return {**family_fields(shape), **dimensions(shape), "torch_dtype": "bfloat16",
+            "quantization_config": quantization_config(bits, head_bits, codebook)}
 
 
 def exl3_linear(key: str, n_in: int, n_out: int, K: int, codebook: str, gen: torch.Generator, device) -> Iterator[tuple[str, torch.Tensor]]:
