@@ -78,7 +78,7 @@ class Attention(nn.Module):
             rope = cache.pending_rope(self.layer, q, k, v, cos, sin, norms)
             if norms is not None and not rope.serves(mask):  # the norms first, on their own
                 rope = cache.pending_rope(self.layer, self.q_norm(q), self.k_norm(k), v, cos, sin)
-            if rope.serves(mask):  # the attention kernel (norms,) rotates and stores
+            if rope.serves(mask):  # the attention kernel does the norms (if left to it), RoPE and store
                 q, k, v = rope.q, rope.keys, rope.values
             else:  # RoPE and the cache write in one kernel of their own
                 q, k, v, rope = rope.apply(), rope.keys, rope.values, None

@@ -235,10 +235,10 @@ _counters: dict = {}
 # RoPE kernel runs between the q/k/v product and it: on by default; TRELLIS_ATTN_ROPE=0 keeps the
 # RoPE kernel (benchmarks' same-run ratio).
 ATTN_ROPE = os.environ.get("TRELLIS_ATTN_ROPE", "1") != "0"
-# With it, the per-head q/k norms before the RoPE (Qwen3, Gemma 3), two norm kernels less per
-# layer. Off by default until a GPU run has checked it (written in session 21, which had none:
-# csrc/PERF_NOTES.md); TRELLIS_ATTN_HEAD_NORMS=1 turns it on. Off, the norms run as norm kernels
-# and the RoPE as its own kernel.
+# The kernel can also take the per-head q/k norms that come before that RoPE (Qwen3, Gemma 3): two
+# norm kernels fewer per layer, the same bits. Off by default until a GPU run has checked it
+# (written in session 21, which had none: csrc/PERF_NOTES.md); TRELLIS_ATTN_HEAD_NORMS=1 turns it
+# on. Off, the norms run as norm kernels before the attention kernel, which still does the RoPE.
 ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "0") == "1"
 
 _attn_counters: dict = {}
