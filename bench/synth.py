@@ -44,7 +44,7 @@ SHAPES = {
     "tiny-gemma2": Shape(256, 768, 2, 4, 2, 512, 64, "gemma2"),
     # Qwen3-8B: an RMSNorm over each q and k head before RoPE
     "qwen3-8b": Shape(4096, 12288, 36, 32, 8, 151936, 128, "qwen3"),
-    "tiny-qwen3": Shape(256, 768, 2, 4, 2, 512, 64, "qwen3"),
+    "tiny-qwen3": Shape(256, 768, 2, 4, 2, 512, 128, "qwen3"),  # head dim 128, as every Qwen3's
     # Gemma-3-12B: head dim 256, q/k norms, five 1,024-token sliding layers to one global
     "gemma3-12b": Shape(3840, 15360, 48, 16, 8, 262208, 256, "gemma3"),
     "tiny-gemma3": Shape(256, 768, 2, 4, 2, 512, 64, "gemma3"),

@@ -705,6 +705,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         a.cos = hptr(rope[2]), a.sin = hptr(rope[3]);
         a.pos = pos.data_ptr<int64_t>();
         if (rope.size() == 7) {
+            TORCH_CHECK((D == 128 || D == 256) && softcap == 0.0,
+                        "decode_attention: q/k norms take head dims 128 and 256, without a soft cap");
             check_half_vec(rope[5], D, "decode_attention: q_norm");
             check_half_vec(rope[6], D, "decode_attention: k_norm");
             TORCH_CHECK(head_norm_eps >= 0.0 && std::isfinite(head_norm_eps), "decode_attention: norm eps must be finite and >= 0");

@@ -108,11 +108,15 @@ __device__ __forceinline__ typename HalfRow<DL>::T head_rms_norm(typename HalfRo
 // Blocks per SM: the tensor-core walk's ring takes most of an SM's shared memory, so one; the
 // scalar walk two, which caps it at 128 registers (at head dim 256 ptxas would otherwise take 172
 // and one block per SM: 17% slower at 32,768 slots, csrc/PERF_NOTES.md session 19).
-// CAP: Gemma 2's score soft cap (a.softcap > 0), a variant of its own so the other models' walks
-// keep their registers (the head-dim-256 scalar walk is at its cap of 128).
-template <int DL, bool CAP, bool MMA, int NS = kAttnMmaMaxStages>
+// MODE: kAttnPlain; kAttnCapped, Gemma 2's score soft cap (a.softcap > 0), a variant of its own so
+// the other models' walks keep their registers (the head-dim-256 scalar walk is at its cap of
+// 128); kAttnHeadNormed, the per-head q/k norms before the step's RoPE (a.q_norm), also a variant
+// of its own, so the plain kernels stay the ones measured before it. No model has both.
+constexpr int kAttnPlain = 0, kAttnCapped = 1, kAttnHeadNormed = 2;
+template <int DL, int MODE, bool MMA, int NS = kAttnMmaMaxStages>
 __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention_kernel(const DecodeAttnArgs a) {
     constexpr int D = 32 * DL;
+    constexpr bool CAP = MODE == kAttnCapped, QKN = MODE == kAttnHeadNormed;
     extern __shared__ __align__(128) unsigned char attn_ring[];
     constexpr int PS = kAttnHeads * (D + 2);  // floats per block partial: o, then max, then sum
     __shared__ float sm_o[kAttnWarps][kAttnHeads][D];
@@ -156,9 +160,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     if constexpr (MMA) {
         if (early) attn_mma_prefetch<DL, NS>(keys, lane, ring);
     }
-    Row qn{}, kn{};  // the q and k head norms' weights (a.q_norm), read before the wait
-    const bool head_norms = a.pos && a.q_norm;
-    if (head_norms) {
+    Row qn{}, kn{};  // QKN: the q and k head norms' weights, read before the wait
+    if constexpr (QKN) {
         qn = load_row<DL>(a.q_norm + lane * DL);
         kn = load_row<DL>(a.k_norm + lane * DL);
     }
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
             if (warp == 0) {
                 const size_t at = (size_t)b * a.nk_b + (size_t)kvh * a.nk_h + lane * DL;
                 Row kraw = load_row<DL>(a.new_k + at);
-                if (head_norms) kraw = head_rms_norm<DL>(kraw, kn, a.head_norm_eps);
+                if constexpr (QKN) kraw = head_rms_norm<DL>(kraw, kn, a.head_norm_eps);
                 const Row kr = rope_row<DL>(kraw, rc, rs, lane);
                 const Row vr = load_row<DL>(a.new_v + at);
                 // the cache this kernel reads: one pointer for both (blocks of other head groups
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         } else {
             r = q_at(h);
         }
-        if (head_norms) r = head_rms_norm<DL>(r, qn, a.head_norm_eps);
+        if constexpr (QKN) r = head_rms_norm<DL>(r, qn, a.head_norm_eps);
         if (a.pos) r = rope_row<DL>(r, rc, rs, lane);
         return r;
     };
@@ -439,13 +442,17 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         return launch_pdl_smem(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
     const int ns = decode_attention_mma_stages(a);
-    auto run = [&](auto cap) {
-        constexpr bool C = decltype(cap)::value;
+    auto run = [&](auto mode) {
+        constexpr int C = decltype(mode)::value;
         switch (a.D) {
             case 64:
-                if (ns == 3) return with_ring(decode_attention_kernel<2, C, true, 3>, attn_mma_smem_bytes(2, 3));
-                if (ns == 2) return with_ring(decode_attention_kernel<2, C, true, 2>, attn_mma_smem_bytes(2, 2));
-                return launch_pdl(decode_attention_kernel<2, C, false>, grid, block, 0, stream, pdl, a);
+                if constexpr (C == kAttnHeadNormed) {
+                    return cudaErrorInvalidValue;  // not built: Qwen3's and Gemma 3's heads are 128 or 256
+                } else {
+                    if (ns == 3) return with_ring(decode_attention_kernel<2, C, true, 3>, attn_mma_smem_bytes(2, 3));
+                    if (ns == 2) return with_ring(decode_attention_kernel<2, C, true, 2>, attn_mma_smem_bytes(2, 2));
+                    return launch_pdl(decode_attention_kernel<2, C, false>, grid, block, 0, stream, pdl, a);
+                }
             case 128:
                 if (ns == 3) return with_ring(decode_attention_kernel<4, C, true, 3>, attn_mma_smem_bytes(4, 3));
                 if (ns == 2) return with_ring(decode_attention_kernel<4, C, true, 2>, attn_mma_smem_bytes(4, 2));
@@ -457,7 +464,10 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
             default: return cudaErrorInvalidValue;
         }
     };
-    return a.softcap > 0.f ? run(std::true_type{}) : run(std::false_type{});
+    if (a.q_norm && (!a.pos || !a.k_norm || a.softcap > 0.f)) return cudaErrorInvalidValue;
+    if (a.softcap > 0.f) return run(std::integral_constant<int, kAttnCapped>{});
+    if (a.q_norm) return run(std::integral_constant<int, kAttnHeadNormed>{});
+    return run(std::integral_constant<int, kAttnPlain>{});
 }
 
 }  // namespace trellis

@@ -55,7 +55,7 @@ def test_synthetic_qwen3_loads_with_its_head_norms(tmp_path):
     model = load_model(out, device="cpu", dtype=torch.float32)
     assert model.config.family == "qwen3" and model.config.qk_norm
     attn = model.layers[1].self_attn
-    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (64,)
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (128,)
     with torch.inference_mode():
         logits = model(torch.tensor([[5, 17, 300, 2]]), model.new_cache(1, 8))
     assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0.1

@@ -19,7 +19,7 @@ from tests.test_static_cache import decode_logits  # noqa: E402
 
 @pytest.fixture(scope="module")
 def qwen3_path(tmp_path_factory):
-    """A synthetic EXL3 Qwen3 (bench.synth's tiny shape: head dim 64, which the kernel takes) with
+    """A synthetic EXL3 Qwen3 (bench.synth's tiny shape: head dim 128, as every Qwen3's) with
     random norm weights, so that the q/k norms change what they norm."""
     from safetensors.torch import load_file, save_file
 

@@ -280,7 +280,8 @@ class PendingRope:
         if not ATTN_HEAD_NORMS:
             return False
         D = self.q.shape[-1]
-        return qn.eps == kn.eps and all(
+        # the kernel's head-normed variant is built for Qwen3's and Gemma 3's head dims, uncapped
+        return D in (128, 256) and qn.eps == kn.eps and all(
             w.is_cuda and w.dtype == torch.float16 and w.is_contiguous() and w.numel() == D and w.device == self.q.device
             for w in (qn.kernel_weight, kn.kernel_weight))
 
