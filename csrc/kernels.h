@@ -325,6 +325,7 @@ struct DecodeAttnArgs {
     const int64_t* pos = nullptr;
     // With pos, Qwen3's and Gemma 3's RMSNorm over each q head and the token's k head (weights
     // [D], one eps) before the RoPE, as rms_norm_kernel computes it, to the bit; null: none.
+    // Head dims 128 and 256 only, and never with softcap (no model has both).
     const half* q_norm = nullptr;
     const half* k_norm = nullptr;
     float head_norm_eps = 0.f;
