@@ -12,10 +12,10 @@
 // tensor cores for head dims 64 and 128, and 256 where set_attn_mma_d256 allows it; with scalar
 // FMAs otherwise). At batch 1 and short caches the GPU is nearly idle here, so the split counts
 // weigh memory round trips and the merge's cost, not bandwidth; long caches are bandwidth work.
-// The warps' partial results merge in shared
-// memory; when there are several splits, each block writes its partial (o, max, sum) to a
-// workspace and the last block to finish a (batch, head group) merges them (a completion counter,
-// as the product's output stage does), so one launch does it all.
+// The warps' partial results merge in shared memory; when there are several splits, each block
+// writes its partial (o, max, sum) to a workspace and the last block to finish a (batch, head
+// group) merges them (a completion counter, as the product's output stage does), so one launch
+// does it all.
 // At a decode step the kernel also does the token's RoPE and KV-cache write (DecodeAttnArgs::pos),
 // and Qwen3's and Gemma 3's per-head q/k norm before it (two norm kernels less per layer):
 // q is rotated as it is loaded, and the block whose split holds the token's slot writes the
