@@ -42,23 +42,26 @@ def test_gemma_norms_are_kernels_and_match_the_cpu(family, tmp_path):
     assert not [n for n in names if "reduce_kernel" in n], "a norm ran as PyTorch ops"
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_exl3_gemma2_on_the_kernels_matches_the_cpu_reference(tmp_path, head_dim, request):
+@pytest.mark.parametrize("name,head_dim", [("tiny-gemma2", 64), ("tiny-gemma2", 256), ("tiny-gemma3", 256)])
+def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, head_dim, request, monkeypatch):
     """A synthetic EXL3 Gemma 2 (bench.synth's tiny shape: head dim 64; and with Gemma 2's real head
-    dim 256, whose 8-key tensor-core walk is turned on here) on the GPU: the fused products, whose
-    preps compute Gemma's (1 + w) norms with the residual adds, the prefill's norm passes, and
-    graph-replayed decode steps (the decode kernel with the soft cap) give the CPU reference path's
-    logits (fp16 kernels against fp32 reference math, the bound of the fixture models' test)."""
+    dim 256, whose 8-key tensor-core walk is turned on here) and Gemma 3 (head dim 256, its q/k
+    norms inside decode attention turned on too) on the GPU: the fused products, whose preps
+    compute Gemma's (1 + w) norms with the residual adds, the prefill's norm passes, and
+    graph-replayed decode steps (the decode kernel with Gemma 2's soft cap, or with Gemma 3's q/k
+    norms and local rope) give the CPU reference path's logits (fp16 kernels against fp32
+    reference math, the bound of the fixture models' test)."""
     from dataclasses import replace
 
     from bench.synth import SHAPES, write_synth_model
     from engine import ops
     from tests.gpu_layers import replayed_logits
 
-    shape = replace(SHAPES["tiny-gemma2"], head_dim=head_dim)
+    shape = replace(SHAPES[name], head_dim=head_dim)
     if head_dim == 256:
         ops.extension().set_attn_mma_d256(True)
         request.addfinalizer(lambda: ops.extension().set_attn_mma_d256(ops.ATTN_MMA_D256))
+    monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
     path = write_synth_model(tmp_path / "g", shape, 4.0, head_bits=6, device="cuda")
     cpu = load_model(path, device="cpu", dtype=torch.float32)
     gpu = load_model(path, device="cuda")
