@@ -1,4 +1,5 @@
-"""`trellis bench linear|decode|prefill|generate|sampling|viterbi ...`: thin wrappers over python -m bench.<name>."""
+"""`trellis bench linear|decode|prefill|attention|generate|sampling|viterbi ...`: thin wrappers over python -m
+bench.<name>."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,9 @@ import importlib
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="GPU benchmarks (JSON lines): linear, decode, prefill, generate, sampling, viterbi")
-    p.add_argument("which", choices=["linear", "decode", "prefill", "generate", "sampling", "viterbi"])
+    p = subparsers.add_parser("bench", help="GPU benchmarks (JSON lines): linear, decode, prefill, attention, generate, sampling, "
+                                            "viterbi")
+    p.add_argument("which", choices=["linear", "decode", "prefill", "attention", "generate", "sampling", "viterbi"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="options passed to python -m bench.<which>")
     p.set_defaults(func=_run)
 

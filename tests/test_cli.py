@@ -306,6 +306,7 @@ def test_bench_wraps_the_benchmarks(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where there is no GPU")
-def test_bench_generate_without_a_gpu_says_so(capsys):
-    assert main(["bench", "generate"]) == 1
-    assert json.loads(capsys.readouterr().out) == {"bench": "generate", "error": "no CUDA device"}
+@pytest.mark.parametrize("which", ["generate", "attention"])
+def test_bench_without_a_gpu_says_so(capsys, which):
+    assert main(["bench", which]) == 1
+    assert json.loads(capsys.readouterr().out) == {"bench": which, "error": "no CUDA device"}
