@@ -321,6 +321,53 @@ __device__ __forceinline__ void attn_mma_prefetch(const AttnWarpKeys& w, int lan
     for (int t = 0; t < NS - 1; ++t) attn_mma_issue<DL, NS>(w, lane, ring_sa, t, nsteps);
 }
 
+// The masks (base 2) of the N keys a lane holds at the step from key jb: keys jb + 8 (i / 2) +
+// 2 cq + i % 2 (the score accumulators' columns), -inf past the warp's share. Whether any key of
+// the warp's step may be attended (if none, the step reads nothing).
+template <int N>
+__device__ __forceinline__ bool attn_mma_masks(const AttnWarpKeys& w, int jb, int cq, float (&mk)[N]) {
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int j = jb + 8 * (i / 2) + 2 * cq + i % 2;
+        mk[i] = j < w.j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
+        any |= mk[i] != -INFINITY;
+    }
+    return __any_sync(0xffffffffu, any);
+}
+
+// One step's online softmax of head g over the N keys this lane holds (raw scores s, masks mk;
+// the head's other keys are on the lanes of the same g): the scaled (CAP: capped) scores' max
+// over the head moves m_run, the probabilities go to p and this lane's part of the head's sum to
+// l_run. Returns alpha, the rescale of what the head summed before.
+template <bool CAP, int N>
+__device__ __forceinline__ float attn_mma_softmax(const float (&s)[N], const float (&mk)[N], const AttnWarpKeys& w,
+                                                  float& m_run, float& l_run, float (&p)[N]) {
+    const float qscale = w.scale * kLog2e;
+    float x[N], mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if constexpr (CAP) {
+            x[i] = attn_softcap2(s[i] * qscale, w.cap2) + mk[i];
+        } else {
+            x[i] = fmaf(s[i], qscale, mk[i]);
+        }
+        mx = fmaxf(mx, x[i]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const bool none = m_new == -INFINITY;  // every key so far masked for this head
+    const float alpha = none ? 1.f : exp2f(m_run - m_new);
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = none ? 0.f : exp2f(x[i] - m_new);
+    l_run = l_run * alpha + (p[0] + p[1]);
+#pragma unroll
+    for (int i = 2; i < N; i += 2) l_run = l_run + (p[i] + p[i + 1]);
+    m_run = m_new;
+    return alpha;
+}
+
 // One step of the head-dim-256 walk (attn_walk_mma at DL 8): 8 keys, whose stage is ring stage
 // `st`. 16 keys of K and V at head dim 256 would take 16 KB a stage, too much for three stages per
 // warp, and the 16 x 256 output accumulators of the D <= 128 form (P as A against V) would take
@@ -335,15 +382,8 @@ __device__ __forceinline__ void attn_mma_step_d256(const AttnWarpKeys& w, const 
                                                    int jb, int lane, float (&o)[16][4], float& m_run, float& l_run) {
     constexpr int RC = 32, VOFF = 8 * RC * 16;
     const int cq = lane & 3;
-    float mk[2];  // this lane's keys jb + 2 cq + e, mask in base 2
-    bool any = false;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const int j = jb + 2 * cq + e;
-        mk[e] = j < w.j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
-        any |= mk[e] != -INFINITY;
-    }
-    if (!__any_sync(0xffffffffu, any)) return;  // nothing here may be attended
+    float mk[2];  // this lane's keys jb + 2 cq + e
+    if (!attn_mma_masks(w, jb, cq, mk)) return;  // nothing here may be attended
     // Scores: ldmatrix rows: lane t reads key t & 7, chunk 2 ks + (t >> 3): B of k steps ks, ks + 1.
     const int kr_ = lane & 7, kc = lane >> 3;
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // even and odd k steps: two chains
@@ -354,27 +394,10 @@ __device__ __forceinline__ void attn_mma_step_d256(const AttnWarpKeys& w, const 
         mma_16816(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b0, b1);
         mma_16816(sc[1], qa[ks + 1][0], 0u, qa[ks + 1][1], 0u, b2, b3);
     }
-    const float qscale = w.scale * kLog2e;
-    float s2[2], mx = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const float s = sc[0][e] + sc[1][e];
-        if constexpr (CAP) {
-            s2[e] = attn_softcap2(s * qscale, w.cap2) + mk[e];
-        } else {
-            s2[e] = fmaf(s, qscale, mk[e]);
-        }
-        mx = fmaxf(mx, s2[e]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);
-    const bool none = m_new == -INFINITY;  // every key so far masked for this head
-    const float alpha = none ? 1.f : exp2f(m_run - m_new);
-    const float p0 = none ? 0.f : exp2f(s2[0] - m_new), p1 = none ? 0.f : exp2f(s2[1] - m_new);
-    l_run = l_run * alpha + (p0 + p1);
-    m_run = m_new;
-    const uint32_t pb = pack_half2(p0, p1);
+    const float s[2] = {sc[0][0] + sc[1][0], sc[0][1] + sc[1][1]};
+    float p[2];
+    const float alpha = attn_mma_softmax<CAP>(s, mk, w, m_run, l_run, p);
+    const uint32_t pb = pack_half2(p[0], p[1]);
     // The rescale of the columns this lane holds: heads 2 cq and 2 cq + 1, whose alpha is on lanes 8 cq, 8 cq + 4.
     const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * cq), a1 = __shfl_sync(0xffffffffu, alpha, 8 * cq + 4);
     // V^T: ldmatrix.trans rows: lane t reads key t & 7, chunk 2 mt + (t >> 3): A of m tiles mt, mt + 1.
@@ -480,7 +503,6 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
         // chunk nt + (t >> 4).
         const int kr_ = (lane >> 4) * 8 + (lane & 7), kc = (lane >> 3) & 1;
         const int vr_ = ((lane >> 3) & 1) * 8 + (lane & 7), vc = lane >> 4;
-        const float qscale = w.scale * kLog2e;
         float o[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
@@ -490,18 +512,8 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
             __syncwarp();
             issue(t + NS - 1);  // into the stage read at step t - 1
             const int jb = j_begin + t * kAttnMmaKeys;
-            // This lane's 4 keys: jb + 8 kt + 2 cq + e.
-            float mk[2][2];
-            bool any = false;
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = jb + 8 * kt + 2 * cq + e;
-                    mk[kt][e] = j < j_end ? (w.mask ? __half2float(w.mask[j]) * kLog2e : 0.f) : -INFINITY;
-                    any |= mk[kt][e] != -INFINITY;
-                }
-            if (!__any_sync(0xffffffffu, any)) continue;  // nothing here may be attended
+            float mk[4];  // this lane's 4 keys: jb + 8 kt + 2 cq + e at 2 kt + e
+            if (!attn_mma_masks(w, jb, cq, mk)) continue;  // nothing here may be attended
             const uint32_t st = ring_sa + (uint32_t)((t % NS) * SB);
             float sc[2][4];
 #pragma unroll
@@ -514,31 +526,10 @@ __device__ __forceinline__ void attn_walk_mma(const AttnWarpKeys& w, QRow&& q_ro
                 mma_16816(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b10, b11);
             }
             // Online softmax of head g over the 16 keys (its 4 here, the rest on lanes g*4..g*4+3).
-            float s4[2][2], mx = -INFINITY;
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if constexpr (CAP) {
-                        s4[kt][e] = attn_softcap2(sc[kt][e] * qscale, w.cap2) + mk[kt][e];
-                    } else {
-                        s4[kt][e] = fmaf(sc[kt][e], qscale, mk[kt][e]);
-                    }
-                    mx = fmaxf(mx, s4[kt][e]);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run, mx);
-            const bool none = m_new == -INFINITY;  // every key so far masked for this head
-            const float alpha = none ? 1.f : exp2f(m_run - m_new);
-            float p[2][2];
-#pragma unroll
-            for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) p[kt][e] = none ? 0.f : exp2f(s4[kt][e] - m_new);
-            l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-            m_run = m_new;
-            const uint32_t pa0 = pack_half2(p[0][0], p[0][1]), pa2 = pack_half2(p[1][0], p[1][1]);
+            const float s[4] = {sc[0][0], sc[0][1], sc[1][0], sc[1][1]};
+            float p[4];
+            const float alpha = attn_mma_softmax<CAP>(s, mk, w, m_run, l_run, p);
+            const uint32_t pa0 = pack_half2(p[0], p[1]), pa2 = pack_half2(p[2], p[3]);
 #pragma unroll
             for (int nt = 0; nt < NT; nt += 2) {
                 uint32_t v00, v01, v10, v11;
