@@ -442,25 +442,23 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         return launch_pdl_smem(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
     const int ns = decode_attention_mma_stages(a);
+    // The kernel of head dim 32 DL and MODE C: the tensor-core walk with its ring stages, or the scalar one.
+    auto launch = [&](auto dl, auto mode) {
+        constexpr int DL = decltype(dl)::value, C = decltype(mode)::value;
+        if (ns == 3) return with_ring(decode_attention_kernel<DL, C, true, 3>, attn_mma_smem_bytes(DL, 3));
+        if (ns == 2) return with_ring(decode_attention_kernel<DL, C, true, 2>, attn_mma_smem_bytes(DL, 2));
+        return launch_pdl(decode_attention_kernel<DL, C, false>, grid, block, 0, stream, pdl, a);
+    };
     auto run = [&](auto mode) {
-        constexpr int C = decltype(mode)::value;
         switch (a.D) {
             case 64:
-                if constexpr (C == kAttnHeadNormed) {
+                if constexpr (decltype(mode)::value == kAttnHeadNormed) {
                     return cudaErrorInvalidValue;  // not built: Qwen3's and Gemma 3's heads are 128 or 256
                 } else {
-                    if (ns == 3) return with_ring(decode_attention_kernel<2, C, true, 3>, attn_mma_smem_bytes(2, 3));
-                    if (ns == 2) return with_ring(decode_attention_kernel<2, C, true, 2>, attn_mma_smem_bytes(2, 2));
-                    return launch_pdl(decode_attention_kernel<2, C, false>, grid, block, 0, stream, pdl, a);
+                    return launch(std::integral_constant<int, 2>{}, mode);
                 }
-            case 128:
-                if (ns == 3) return with_ring(decode_attention_kernel<4, C, true, 3>, attn_mma_smem_bytes(4, 3));
-                if (ns == 2) return with_ring(decode_attention_kernel<4, C, true, 2>, attn_mma_smem_bytes(4, 2));
-                return launch_pdl(decode_attention_kernel<4, C, false>, grid, block, 0, stream, pdl, a);
-            case 256:
-                if (ns == 3) return with_ring(decode_attention_kernel<8, C, true, 3>, attn_mma_smem_bytes(8, 3));
-                if (ns == 2) return with_ring(decode_attention_kernel<8, C, true, 2>, attn_mma_smem_bytes(8, 2));
-                return launch_pdl(decode_attention_kernel<8, C, false>, grid, block, 0, stream, pdl, a);
+            case 128: return launch(std::integral_constant<int, 4>{}, mode);
+            case 256: return launch(std::integral_constant<int, 8>{}, mode);
             default: return cudaErrorInvalidValue;
         }
     };
