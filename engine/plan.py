@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import ConfigError
-from engine.io.hf_config import family_default
+from engine.io.hf_config import ARCHITECTURE_FAMILIES, family_default
 from engine.io.json_files import read_json_object
 from engine.io.safetensors_header import read_header, weight_files
 
@@ -160,7 +160,7 @@ def _shape_numbers(cfg: dict, name: str) -> dict:
     if min(hidden, layers, heads, kv_heads, head_dim, inter, vocab) <= 0:
         raise ConfigError(f"{name}: config.json has a non-positive dimension")
     archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-    gemma2 = t.get("model_type", cfg.get("model_type")) == "gemma2" or str(archs[0]) == "Gemma2ForCausalLM"
+    gemma2 = "gemma2" in (t.get("model_type", cfg.get("model_type")), ARCHITECTURE_FAMILIES.get(str(archs[0])))
     cap_default = family_default("gemma2", "attn_logit_softcapping") if gemma2 else None
     capped = t.get("attn_logit_softcapping", cap_default) is not None
     return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
