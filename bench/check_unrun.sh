@@ -1,14 +1,22 @@
 #!/bin/bash
-# GPU checks for work that landed without a GPU run (session 21 had no device): one device call,
-# `bash bench/check_unrun.sh` with .devcarry/shared carried (see gpu_session.sh). It builds the
-# kernels, runs the whole GPU suite (which forces both features on where it tests them), then
-# measures each feature against its own off switch in the same process:
-# - Qwen3's q/k norms inside decode attention (ops.ATTN_HEAD_NORMS, off by default);
-# - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, off by default).
-# Turn a default on only if its tests pass and it measures faster. About 8-9 minutes of one call.
+# GPU checks for work that landed without a GPU run (sessions 21 and 22 had no device), in two or
+# three device calls, each with .devcarry/shared carried (see gpu_session.sh):
+#   bash bench/check_unrun.sh 1   the build, the whole GPU suite (which forces every feature below
+#                                 on where it tests it), Qwen3 decode, attention alone at head dim 256;
+#   bash bench/check_unrun.sh 2   Gemma 2 decode A/Bs (SKIP_GPU_TESTS=1 is set: part 1 ran them);
+#   bash bench/check_unrun.sh 3   Gemma 3 decode, every feature on against every one off (optional).
+# Each feature is measured against its own off switch in the same process:
+# - Qwen3's q/k norms inside decode attention (ops.ATTN_HEAD_NORMS, off by default; session 21);
+# - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, off; session 21);
+# - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off; session 22);
+# - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256).
+# Turn a default on only if its tests pass and it measures faster. About 5-8 minutes a part.
+part=${1:-1}
+[ "$part" != 1 ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
+if [ "$part" = 1 ]; then
 echo "== synth $(( $(date +%s)-t0 ))s" | tee -a $L
-for s in "qwen3-8b q8b" "gemma2-9b g9b" "gemma3-12b g12b"; do set -- $s; timeout 90 python3 -m bench.synth --shape $1 --bits 4 --out /tmp/$2 --device cuda 2>&1 | tail -1 | tee -a $L; done
+timeout 90 python3 -m bench.synth --shape qwen3-8b --bits 4 --out /tmp/q8b --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== qwen3 decode: head norms in attention / apart $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m bench.decode --model-dir /tmp/q8b --contexts 0 4096 --tokens 128 --paths cuda-graph-pipelined+attnnorms \
   cuda-graph-pipelined+noattnnorms cuda-graph-pipelined+attnnorms cuda-graph-pipelined+noattnnorms 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
@@ -21,12 +29,20 @@ for one in 0 256 512; do  # one split up to 128 (the shipped rule at 256), never
   timeout 60 python3 -m bench.attention --dim 256 --heads 16 --kv-heads 8 --slots 128 256 512 --paths mma --mma-one-split $one \
     2>&1 | grep '"us"' | cut -c1-200 | sed "s/^/one_split=$one /" | tee -a $L
 done
-echo "== gemma decode: head dim 256 on the tensor-core / scalar walk $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 200 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 7680 --tokens 96 --paths cuda-graph-pipelined+attnmmad256 \
-  cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
-echo "== gemma 3 decode (q/k norms and head dim 256): both / neither $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 200 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 --tokens 96 --paths \
-  cuda-graph-pipelined+attnnorms+attnmmad256 cuda-graph-pipelined+noattnnorms+noattnmmad256 \
-  cuda-graph-pipelined+attnnorms+attnmmad256 cuda-graph-pipelined+noattnnorms+noattnmmad256 \
+elif [ "$part" = 2 ]; then
+timeout 90 python3 -m bench.synth --shape gemma2-9b --bits 4 --out /tmp/g9b --device cuda 2>&1 | tail -1 | tee -a $L
+# One process, one model load, each path twice: the tensor-core walk at head dim 256 / the scalar
+# walk; the walk without its o_proj chain; the post-norms in the next prep / as kernels.
+echo "== gemma 2 decode A/Bs $(( $(date +%s)-t0 ))s" | tee -a $L
+P="cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256+nochain \
+  cuda-graph-pipelined+doublenorm cuda-graph-pipelined+nodoublenorm"
+timeout 360 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 4096 --tokens 96 --paths $P $P 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
+else  # part 3, if device time is left: Gemma 3 (q/k norms, head dim 256, post-norms) all on / all off
+timeout 120 python3 -m bench.synth --shape gemma3-12b --bits 4 --out /tmp/g12b --device cuda 2>&1 | tail -1 | tee -a $L
+echo "== gemma 3 decode: all / none $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 240 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 --tokens 96 --paths \
+  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm \
+  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm \
   2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
+fi
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L

@@ -272,7 +272,8 @@ def main(argv=None) -> int:
                          "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), cuda-graph-noattnrope "
                          "(a RoPE kernel before decode attention), cuda-graph-attnnorms / -noattnnorms (Qwen3's q/k norms "
                          "in decode attention / as kernels of their own, with the RoPE), cuda-graph-attnmmad256 / "
-                         "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), "
+                         "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), cuda-graph-doublenorm / "
+                         "-nodoublenorm (Gemma's post-norms in the next product's prep / as kernels of their own), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
                          "kernel before every product / decode products prep their own input), cuda-graph-chainattn / "
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
                           **bandwidth_floor(model_dir)}), flush=True)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
-    attn_norms_default = ops.ATTN_HEAD_NORMS
+    attn_norms_default, double_norm_default = ops.ATTN_HEAD_NORMS, ops.PREP_DOUBLE_NORM
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
@@ -338,6 +339,8 @@ def main(argv=None) -> int:
         ops.ATTN_KERNEL = attn_default and "cuda-graph-sdpa" not in names
         ops.ATTN_ROPE = attn_rope_default and "cuda-graph-noattnrope" not in names
         ops.ATTN_HEAD_NORMS = pick({"cuda-graph-attnnorms": True, "cuda-graph-noattnnorms": False}, attn_norms_default)
+        ops.PREP_DOUBLE_NORM = pick({"cuda-graph-doublenorm": True, "cuda-graph-nodoublenorm": False},
+                                    double_norm_default)
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
         if path != "torch":

@@ -168,7 +168,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                         c10::optional<torch::Tensor> residual_out, std::vector<torch::Tensor> prepared,
                         std::vector<torch::Tensor> chain, int64_t chain_mode, int64_t chain_act,
                         std::vector<torch::Tensor> open_post, c10::optional<torch::Tensor> zero_after,
-                        bool open_out) {
+                        bool open_out, c10::optional<torch::Tensor> pre_norm_w, double pre_eps) {
     check_trellis(trellis);
     const c10::cuda::CUDAGuard guard(x.device());
     const bool open_in = x.scalar_type() == torch::kFloat;
@@ -227,6 +227,15 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
             norm.residual = hptr(*residual);
             norm.residual_out = hptr_mut(*residual_out);
         }
+        if (pre_norm_w.has_value()) {  // x is rms_norm(x) * pre_norm_w first (Gemma's post-norms)
+            TORCH_CHECK(residual.has_value() && !open_in && prepared.empty(),
+                        "a norm before the normed input needs a residual, and neither open sums nor a prepared input");
+            check_half_vec(*pre_norm_w, in, "pre-norm weight");
+            norm.pre_w = hptr(*pre_norm_w);
+            norm.pre_eps = (float)pre_eps;
+        }
+    } else {
+        TORCH_CHECK(!pre_norm_w.has_value(), "a pre-norm weight goes with norm_w");
     }
     check_half_vec(suh, in * nseg, "suh");
     check_half_vec(svh, out, "svh");
@@ -293,7 +302,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
         return y;
     }
-    if (fused_out && use_i8 && m == 1 && !a.next.mode && !open_in && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
+    if (fused_out && use_i8 && m == 1 && !a.next.mode && !open_in && !norm.pre_w && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
         a.self_prep = true;
         a.x = hptr(x);
         a.ldx = (int)x.stride(0);
@@ -621,8 +630,22 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 // One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
 // strides), mask additive fp16 [1 or B, S] or none; softcap: Gemma 2's score cap (0: none);
 // counters (int32, zero, left zero) are the caller's persistent scratch. Returns out [B, H, 1, D].
-// next (decode chain into o_proj, B = 1, D = 128): [xb, scales, csum, suh] of o_proj's input
+// next (decode chain into o_proj, B = 1, D = 128, or 256 on the tensor-core walk): [xb, scales, csum, suh] of o_proj's input
 // (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
+// Whether decode_attention over this cache span k, v [B, Hkv, S, D] can write a chain output
+// (its `next`) for one sequence: head dim 128, or 256 where the tensor-core walk takes it.
+bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
+    if (k.dim() != 4 || !k.is_cuda() || k.sizes() != v.sizes() || k.strides() != v.strides()) return false;
+    const int64_t D = k.size(3);
+    if (D == 128) return true;
+    if (D != 256) return false;
+    const c10::cuda::CUDAGuard guard(k.device());
+    trellis::DecodeAttnArgs a;
+    a.k = hptr(k), a.v = hptr(v), a.S = (int)k.size(2), a.D = (int)D;
+    a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
+    return trellis::decode_attention_mma_stages(a) > 0;
+}
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
                                std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope,
@@ -673,8 +696,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.early_trigger = trellis::early_trigger_setting() == 1;
     a.merge_online = trellis::attn_merge_online_setting();
     if (!next.empty()) {
-        TORCH_CHECK(next.size() == 4 && B == 1 && D == 128,
-                    "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128");
+        TORCH_CHECK(next.size() == 4 && B == 1 && (D == 128 || (D == 256 && trellis::decode_attention_mma_stages(a) > 0)),
+                    "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128, or 256 "
+                    "on the tensor-core walk (decode_attention_chain_serves)");
         check_prepared(next[0], next[1], next[2], 1, H * D);
         check_half_vec(next[3], H * D, "decode_attention: o_proj suh");
         a.next_xb = reinterpret_cast<uint32_t*>(next[0].data_ptr());
@@ -749,7 +773,14 @@ torch::Tensor viterbi_encode(torch::Tensor targets, int64_t K, torch::Tensor lut
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches");
+    m.def("exl3_gemm", &exl3_gemm, "fused EXL3 product for small batches", py::arg("x"), py::arg("suh"), py::arg("svh"),
+          py::arg("trellis"), py::arg("bias"), py::arg("codebook"), py::arg("workspace"), py::arg("ksplit"),
+          py::arg("int8_mode"), py::arg("version"), py::arg("counters"), py::arg("seg_cols"), py::arg("up"),
+          py::arg("act"), py::arg("norm_w"), py::arg("eps"), py::arg("residual"), py::arg("residual_out"),
+          py::arg("prepared"), py::arg("chain"), py::arg("chain_mode"), py::arg("chain_act"), py::arg("open_post"),
+          py::arg("zero_after"), py::arg("open_out"), py::arg("pre_norm_w") = py::none(), py::arg("pre_eps") = 0.0);
+    m.def("decode_attention_chain_serves", &decode_attention_chain_serves,
+          "whether decode attention over this cache span can write o_proj's input (head dim 128, or 256 on the tensor-core walk)");
     m.def("chain_fits", &chain_fits, "whether a one-row product of this shape can write a decode chain output");
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");

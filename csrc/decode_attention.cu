@@ -144,10 +144,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     };
 
     // Chain into o_proj: the input signs of the head this warp merges (warps 0..3), a weight, so
-    // read before the wait.
-    uint2 next_s = make_uint2(0u, 0u);
-    if (DL == 4 && a.next_xb && warp < ng)
-        next_s = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + lane * DL));
+    // read before the wait. A head is D / 128 of o_proj's input chunks; a lane takes 4 values of
+    // each. Head dim 256 chains only from the tensor-core walk (the scalar one would spill more).
+    constexpr int kChunks = D >= 128 ? D / 128 : 1;
+    constexpr bool kChains = DL == 4 || (DL == 8 && MMA);
+    uint2 next_s[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+        next_s[c] = make_uint2(0u, 0u);
+        if (kChains && a.next_xb && warp < ng)
+            next_s[c] = __ldg(reinterpret_cast<const uint2*>(a.next_suh + (kvh * a.G + g0 + warp) * D + c * 128 + lane * 4));
+    }
     const AttnWarpKeys keys{kp, vp, mrow, a.kv_t, j_begin, j_end, ng, a.scale, a.softcap * kLog2e};
     unsigned char* ring = attn_ring + warp * NS * attn_mma_stage_bytes(DL);
     // MMA with this step's RoPE ours (a.pos): the walk's first stages before the wait. The cache
@@ -245,9 +252,25 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
             if (a.next_xb) {  // o_proj's input chunk `head` from these bits, as its prep would
                 const int head = kvh * a.G + g0 + g;
                 half2 x0, x1;
-                lane_xh(raw, next_s, lane, x0, x1);
+                lane_xh(raw, next_s[0], lane, x0, x1);
                 const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
                 store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, head, a.Hkv * a.G, 1, lane, f);
+            }
+        } else if constexpr (kChains) {
+            if (a.next_xb) {  // o_proj's input chunks 2 head and 2 head + 1, as its prep would
+                // Lane L of chunk c takes the head's values c 128 + 4 L .. + 3: the low or high
+                // half (L odd) of lane c 16 + L / 2's eight.
+                const int head = kvh * a.G + g0 + g;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int src = c * 16 + (lane >> 1);
+                    const uint2 lo = make_uint2(__shfl_sync(0xffffffffu, raw.x, src), __shfl_sync(0xffffffffu, raw.y, src));
+                    const uint2 hi = make_uint2(__shfl_sync(0xffffffffu, raw.z, src), __shfl_sync(0xffffffffu, raw.w, src));
+                    half2 x0, x1;
+                    lane_xh(lane & 1 ? hi : lo, next_s[c], lane, x0, x1);
+                    const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
+                    store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, 2 * head + c, 2 * a.Hkv * a.G, 1, lane, f);
+                }
             }
         }
     };

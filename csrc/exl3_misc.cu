@@ -28,7 +28,7 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
     if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;
     if (a.version == 3) {
-        if (a.self_prep ? (a.m != 1 || a.codebook != CB_MUL1 || !a.x || !a.suh)
+        if (a.self_prep ? (a.m != 1 || a.codebook != CB_MUL1 || !a.x || !a.suh || a.norm.pre_w)
                         : (!a.xb || (a.scales && (a.m > 8 || a.codebook != CB_MUL1))))
             return cudaErrorInvalidValue;
         const int v = mm_debug_variant();
@@ -106,10 +106,11 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
 //        group r / 4.
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
-template <bool OPEN>
+// PRE: x is normed on its own before the residual add and the norm (pre; PrepNorm::pre_w).
+template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
-                                 float* __restrict__ csum, int rows, int in, int ng) {
+                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
@@ -128,14 +129,21 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int c = task - r * nch;
     const int k = active ? c * 128 + lane * 4 : lane * 4;
     const PrepWeights wt(x, suh, k);
+    uint2 pre_w = make_uint2(0u, 0u);
+    if constexpr (PRE) pre_w = __ldg(reinterpret_cast<const uint2*>(pre.w + k));
     if constexpr (OPEN) open_prefetch(x, k, in);
     pdl_wait_primary();  // from here on: inputs the previous kernel writes, outputs it may read
-    const float inv = x.norm_w ? block_row_inv<OPEN>(x, r, blockIdx.x * 8 / nch,
-                                               min(rows * nch - 1, blockIdx.x * 8 + 7) / nch, in)
-                               : 0.f;
-    if (!active) return;
+    const int r_first = blockIdx.x * 8 / nch, r_last = min(rows * nch - 1, blockIdx.x * 8 + 7) / nch;
     half2 o0, o1;
-    prep_lane_xh<OPEN>(x, wt, r, k, lane, o0, o1, inv, blockIdx.y == 0);
+    if constexpr (PRE) {
+        const float2 inv = block_row_inv2(x, pre, r, r_first, r_last, in);
+        if (!active) return;
+        prep_lane_xh_pre(x, wt, pre_w, r, k, lane, o0, o1, inv, blockIdx.y == 0);
+    } else {
+        const float inv = x.norm_w ? block_row_inv<OPEN>(x, r, r_first, r_last, in) : 0.f;
+        if (!active) return;
+        prep_lane_xh<OPEN>(x, wt, r, k, lane, o0, o1, inv, blockIdx.y == 0);
+    }
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
@@ -160,12 +168,14 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     const bool gated = up || uo.z;
     if (norm.w && (gated || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
     if ((xo.z && !xo.svh) || (uo.z && (!uo.svh || !xo.z))) return cudaErrorInvalidValue;
+    if (norm.pre_w && (!norm.w || !norm.residual || xo.z)) return cudaErrorInvalidValue;
     if (prep_skip_flag()) return cudaSuccess;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
-    auto* kernel = xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
-    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng);
+    auto* kernel = norm.pre_w ? prep_frag_kernel<false, true> : xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
+    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng,
+                       PreNorm{norm.pre_w, norm.pre_eps});
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

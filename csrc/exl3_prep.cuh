@@ -68,10 +68,26 @@ struct PrepInput {
     OpenSums xo, uo;  // prep_frag<OPEN>: x / up as the open sums of the product before (kernels.h)
 };
 
+// A double-normed input's first norm (PrepNorm::pre_w): x is rms_norm(x) * w before the residual
+// add. Apart from PrepInput: two more fields there changed the code ptxas made of every prep
+// kernel (a third fewer instructions, unmeasured), which only a GPU run could vouch for.
+struct PreNorm {
+    const half* w;
+    float eps;
+};
+
 // A product's prep input from the launcher's pieces (prep_frag's arguments, MmArgs' self-prep fields).
 inline PrepInput prep_input(const half* x, int ldx, const half* up, int ldu, int act, const PrepNorm& norm,
                             const OpenSums& xo = OpenSums{}, const OpenSums& uo = OpenSums{}) {
     return PrepInput{x, ldx, up, ldu, act, norm.w, norm.residual, norm.residual_out, norm.eps, xo, uo};
+}
+
+// fp16(v * inv) * w for a lane's 4 values: rms_norm_kernel's output rounding (cast, then the
+// weight's fp16 product), given the row's 1 / rms.
+__device__ __forceinline__ uint2 normed4(uint2 v, uint2 w, float inv) {
+    const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
+    return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
+                      as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
 }
 
 // Open sums (kernels.h): a lane's 4 values k..k+3 (k = 128 b + 4 lane) of row r of the product
@@ -126,6 +142,22 @@ __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
     return v;
 }
 
+// A double-normed input's residual sum for one lane's 4 values (PreNorm): rms_norm(x) * pre.w
+// given x's 1 / rms, then + residual, each rounded as the norm kernel and the prep round them,
+// so these are the bits a post-norm kernel and then a normed prep would add.
+__device__ __forceinline__ uint2 pre_normed_sum(const PrepInput& in, const PreNorm& pre, int r, int k, float pre_inv) {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(pre.w + k));
+    uint2 v = normed4(*reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k), w, pre_inv);
+    if (in.res) v = add4(v, *reinterpret_cast<const uint2*>(in.res + (size_t)r * in.ldx + k));
+    return v;
+}
+
+// A lane's share of a row's sum of squares (the order block_row_inv and block_row_inv2 add in).
+__device__ __forceinline__ void add_squares4(float& acc, uint2 v) {
+    const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
+    acc += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+}
+
 // 1 / rms of row r, for a block of 8 warps whose threads all call this (a barrier) and whose
 // warps need rows r_first..r_last (r_last - r_first < 8). The block reads each row once, 4 values
 // per thread, and reduces through shared memory. Session 5 measured ~5 us per prep while each
@@ -139,10 +171,6 @@ __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r
     __shared__ float part[kWarps][kWarps];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float ss[kWarps];
-    auto add_squares = [](float& acc, uint2 v) {
-        const float2 a = __half22float2(as_h2(v.x)), b = __half22float2(as_h2(v.y));
-        acc += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
-    };
 #pragma unroll
     for (int lr = 0; lr < kWarps; ++lr) {
         ss[lr] = 0.f;
@@ -165,13 +193,13 @@ __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r
                         if (c0 + j * kWarps * 128 < n) {
                             uint2 v = open_finish(l[j], lane, in.xo.bias != nullptr);
                             if (in.res) v = add4(v, rv[j]);
-                            add_squares(ss[lr], v);
+                            add_squares4(ss[lr], v);
                         }
                     }
                 }
             } else {
 #pragma unroll 4
-                for (int c = threadIdx.x * 4; c < n; c += kWarps * 128) add_squares(ss[lr], norm_input(in, r_first + lr, c));
+                for (int c = threadIdx.x * 4; c < n; c += kWarps * 128) add_squares4(ss[lr], norm_input(in, r_first + lr, c));
             }
         }
     }
@@ -189,6 +217,59 @@ __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) t += part[w][lr];
     return rsqrtf(t / n + in.eps);
+}
+
+// Both statistics of a double-normed row (PreNorm) for block_row_inv's block layout and
+// callers: .x is x's 1 / rms (its own norm), .y that of s = rms_norm(x) * pre.w + residual
+// (pre_normed_sum), the sum the main norm takes. The second pass needs every row's first
+// statistic, so the block reduces twice; it reads the row again, from L1.
+__device__ __forceinline__ float2 block_row_inv2(const PrepInput& in, const PreNorm& pre, int r, int r_first, int r_last,
+                                                int n) {
+    constexpr int kWarps = 8;  // prep blocks are 256 threads
+    __shared__ float part[2][kWarps][kWarps];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    auto reduce = [&](float(&ss)[kWarps], int pass) {
+#pragma unroll
+        for (int lr = 0; lr < kWarps; ++lr) {
+            if (r_first + lr <= r_last) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
+                if (lane == 0) part[pass][warp][lr] = ss[lr];
+            }
+        }
+        __syncthreads();
+    };
+    auto row_inv = [&](int pass, int lr, float eps) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) t += part[pass][w][lr];
+        return rsqrtf(t / n + eps);
+    };
+    float ss[kWarps], pre_inv[kWarps];
+#pragma unroll
+    for (int lr = 0; lr < kWarps; ++lr) {
+        ss[lr] = 0.f;
+        if (r_first + lr <= r_last) {
+            const half* row = in.x + (size_t)(r_first + lr) * in.ldx;
+#pragma unroll 4
+            for (int c = threadIdx.x * 4; c < n; c += kWarps * 128)
+                add_squares4(ss[lr], *reinterpret_cast<const uint2*>(row + c));
+        }
+    }
+    reduce(ss, 0);
+#pragma unroll
+    for (int lr = 0; lr < kWarps; ++lr) {
+        pre_inv[lr] = r_first + lr <= r_last ? row_inv(0, lr, pre.eps) : 0.f;
+        ss[lr] = 0.f;
+        if (r_first + lr <= r_last) {
+#pragma unroll 4
+            for (int c = threadIdx.x * 4; c < n; c += kWarps * 128)
+                add_squares4(ss[lr], pre_normed_sum(in, pre, r_first + lr, c, pre_inv[lr]));
+        }
+    }
+    reduce(ss, 1);
+    const int lr = min(max(r - r_first, 0), kWarps - 1);
+    return make_float2(row_inv(0, lr, pre.eps), row_inv(1, lr, in.eps));
 }
 
 // The weights a prep lane needs (its 4 input signs and norm weights). Read before
@@ -241,12 +322,7 @@ struct LaneRaw {
 // 1 / rms, act(gate) * up, or x.
 template <bool OPEN = false>
 __device__ __forceinline__ uint2 lane_input(const PrepInput& in, const LaneRaw& raw, float inv, uint2 w) {
-    if (in.norm_w) {
-        const uint2 own = raw.sum(in);
-        const float2 a = __half22float2(as_h2(own.x)), b = __half22float2(as_h2(own.y));
-        return make_uint2(as_u32(__hmul2(as_h2(w.x), __floats2half2_rn(a.x * inv, a.y * inv))),
-                          as_u32(__hmul2(as_h2(w.y), __floats2half2_rn(b.x * inv, b.y * inv))));
-    }
+    if (in.norm_w) return normed4(raw.sum(in), w, inv);
     if (OPEN ? in.uo.z != nullptr : in.up != nullptr) return gated4(raw.x, raw.aux, in.act);
     return raw.x;
 }
@@ -273,6 +349,18 @@ __device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeig
     if (write_sum && in.norm_w && in.res)
         *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = raw.sum(in);
     lane_xh(lane_input<OPEN>(in, raw, inv, wt.norm_w), wt.suh, lane, o0, o1);
+}
+
+// prep_lane_xh for a double-normed input (PreNorm): x is normed by pre.w first, with
+// x's 1 / rms inv.x (the bits pre_normed_sum gave block_row_inv2), then goes on as a normed
+// input with the sum's 1 / rms inv.y. pre_w: this lane's 4 weights of pre.w.
+__device__ __forceinline__ void prep_lane_xh_pre(const PrepInput& in, const PrepWeights& wt, uint2 pre_w, int r,
+                                                 int k, int lane, half2& o0, half2& o1, float2 inv,
+                                                 bool write_sum) {
+    LaneRaw raw(in, r, k);
+    raw.x = normed4(raw.x, pre_w, inv.x);
+    if (write_sum && in.res) *reinterpret_cast<uint2*>(in.res_out + (size_t)r * in.ldx + k) = raw.sum(in);
+    lane_xh(lane_input(in, raw, inv.y, wt.norm_w), wt.suh, lane, o0, o1);
 }
 
 // The MUL1 integer path's two int8 passes of one 128-chunk: q1 at step s1 = absmax / 127, q2 the

@@ -34,11 +34,16 @@ struct OpenSums {
 };
 
 // A normed product input, rms_norm(x (+ residual)) * w over the whole row (see prep_frag).
+// pre_w != nullptr: x is first normed on its own, rms_norm(x) * pre_w (eps pre_eps), and that goes
+// into the residual add: Gemma's post-attention / post-feedforward norm, then the next pre-norm,
+// in one prep instead of a norm kernel and a prep (version 3 prep_frag only, with a residual).
 struct PrepNorm {
     const half* w = nullptr;
     const half* residual = nullptr;
     half* residual_out = nullptr;
     float eps = 0.f;
+    const half* pre_w = nullptr;
+    float pre_eps = 0.f;
 };
 
 // Decode chain (version 3, m = 1): the warp that finishes a 128-column block of this product's
@@ -138,6 +143,8 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // gated_act rounds it: a gated MLP's down projection without the separate activation launch.
 // norm.w != nullptr: the input is rms_norm(x (+ norm.residual)) * norm.w over the whole row of
 // `in` values (x and residual row-major with stride ldx); x + residual goes to norm.residual_out.
+// norm.pre_w != nullptr: x is rms_norm(x) * norm.pre_w first (PrepNorm), both row statistics the
+// block's; needs norm.w and norm.residual, and neither up nor open sums.
 // xo.z / uo.z != nullptr: x / up is the open output of the product before (OpenSums) and x / up
 // is not read; the residual then has row stride `in`.
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
@@ -306,9 +313,10 @@ struct DecodeAttnArgs {
     // Several splits: their partials merge in one pass with a running max (false: the max first,
     // then the sums, as before session 15; set_attn_merge_online).
     bool merge_online = true;
-    // Decode chain into o_proj (B = 1, D = 128; see ChainOut): the output's head h is o_proj's
-    // input chunk h, so the kernel also writes o_proj's int8 input (prep_frag's layout, one
-    // fragment group) with o_proj's input signs next_suh [H * D]; no prep kernel runs for it.
+    // Decode chain into o_proj (B = 1, D = 128 or 256; see ChainOut): the output's head h is
+    // o_proj's input chunk h (D = 256: chunks 2h and 2h + 1), so the kernel also writes o_proj's
+    // int8 input (prep_frag's layout, one fragment group) with o_proj's input signs next_suh
+    // [H * D]; no prep kernel runs for it.
     uint32_t* next_xb = nullptr;
     float2* next_scales = nullptr;
     float* next_csum = nullptr;

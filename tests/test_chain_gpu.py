@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.ops import chain  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import workspaces_zero  # noqa: E402
+from tests.gpu_layers import kernel_names, workspaces_zero  # noqa: E402
 from tests.test_self_prep_gpu import rand_layer, rel_rms  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -129,22 +129,34 @@ def test_normed_chain_then_gated_chain_then_normed_chain(chains):
 
 
 @pytest.mark.parametrize("heads,kv_heads,slots", [(32, 8, 300), (4, 2, 17), (8, 8, 1000)])
-def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots):
-    """The decode attention kernel writes o_proj's int8 input from its own output bits."""
+@pytest.mark.parametrize("D", [128, 256])
+def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, request):
+    """The decode attention kernel writes o_proj's int8 input from its own output bits: a head of
+    128 is one input chunk, a head of 256 (Gemma) two, which only the tensor-core walk writes (on
+    here: ops.ATTN_MMA_D256); with head dim 256 on the scalar walk the chain declines."""
+    ext = ops.extension()
+    request.addfinalizer(lambda: ext.set_attn_mma_d256(ops.ATTN_MMA_D256))
     g = torch.Generator(device=DEV).manual_seed(heads + slots)
-    q = torch.randn(1, heads, 1, 128, generator=g, device=DEV).half()
-    k = torch.randn(1, kv_heads, slots, 128, generator=g, device=DEV).half()
-    v = torch.randn(1, kv_heads, slots, 128, generator=g, device=DEV).half()
+    q = torch.randn(1, heads, 1, D, generator=g, device=DEV).half()
+    k = torch.randn(1, kv_heads, slots, D, generator=g, device=DEV).half()
+    v = torch.randn(1, kv_heads, slots, D, generator=g, device=DEV).half()
     mask = torch.zeros(1, slots, device=DEV).half()
     mask[0, slots // 2:] = float("-inf")
-    o = rand_layer(heads * 128, 1024, 4, heads, bias=True)
-    out, d = ops.attention_into_chain(q, k, v, mask, 0.088, o, 1000)
-    want_out = ops.decode_attention(q, k, v, mask, 0.088)
+    o = rand_layer(heads * D, 1024, 4, heads, bias=True)
+    if D == 256:
+        ext.set_attn_mma_d256(False)
+        assert ops.attention_into_chain(q, k, v, mask, 0.0625, o, 1000) is None
+        ext.set_attn_mma_d256(True)
+    names = kernel_names(lambda: ops.attention_into_chain(q, k, v, mask, 0.0625, o, 1000))
+    assert [n for n in names if "decode_attention_kernel" in n and f"<{D // 32}, 0, true, " in n], names
+    out, d = ops.attention_into_chain(q, k, v, mask, 0.0625, o, 1000)
+    assert isinstance(d, ops.Deferred) and isinstance(d.x, chain.PreparedInput)
+    want_out = ops.decode_attention(q, k, v, mask, 0.0625)
     assert torch.equal(out, want_out)
     want = ops.exl3_linear(want_out.transpose(1, 2).reshape(1, 1, -1), o, 1000)
     assert d.shape == want.shape
     assert rel_rms(ops.as_tensor(d), want) < 5e-4
-    assert ops.attention_into_chain(q.float(), k, v, mask, 0.088, o, 1000) is None  # not the kernel's layout
+    assert ops.attention_into_chain(q.float(), k, v, mask, 0.0625, o, 1000) is None  # not the kernel's layout
     _zero_state()
 
 

@@ -47,7 +47,8 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
     """A synthetic EXL3 Gemma 2 (bench.synth's tiny shape: head dim 64; and with Gemma 2's real head
     dim 256, whose 8-key tensor-core walk is turned on here) and Gemma 3 (head dim 256, its q/k
     norms inside decode attention turned on too) on the GPU: the fused products, whose preps
-    compute Gemma's (1 + w) norms with the residual adds, the prefill's norm passes, and
+    compute Gemma's (1 + w) norms with the residual adds (and, turned on here, the post-norms before
+    them: ops.PREP_DOUBLE_NORM), the prefill's norm passes, and
     graph-replayed decode steps (the decode kernel with Gemma 2's soft cap, or with Gemma 3's q/k
     norms and local rope) give the CPU reference path's logits (fp16 kernels against fp32
     reference math, the bound of the fixture models' test)."""
@@ -62,6 +63,7 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
         ops.extension().set_attn_mma_d256(True)
         request.addfinalizer(lambda: ops.extension().set_attn_mma_d256(ops.ATTN_MMA_D256))
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
+    monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", True)
     path = write_synth_model(tmp_path / "g", shape, 4.0, head_bits=6, device="cuda")
     cpu = load_model(path, device="cpu", dtype=torch.float32)
     gpu = load_model(path, device="cuda")
@@ -74,3 +76,43 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
         o = o.float().cpu()
         assert ((o - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()).item() < 3e-2
         assert same_top(o, w)
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gemma3"])
+def test_exl3_gemma_post_norms_ride_in_the_next_prep(tmp_path, name, monkeypatch):
+    """With ops.PREP_DOUBLE_NORM a decode step launches no post-attention or post-feedforward norm
+    kernel: the next grouped product's prep (the double-normed prep_frag: gate/up in every layer,
+    q/k/v from the second on) takes each with the residual add and the norm after it. The step's
+    rms_norm kernels are then the last layer's post-feedforward norm and the final norm, against
+    two per layer and the final norm with the setting off (Gemma 3's q/k norms run as kernels here,
+    two more per layer either way). Prefill and steps give the logits of the setting off to fp16
+    rounding (the inner norm's sum of squares is added in the prep's order, not the norm kernel's)."""
+    from bench.synth import SHAPES, write_synth_model
+    from engine import ops
+    from tests.test_qwen3_gpu import _steps
+
+    monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", False)
+    path = write_synth_model(tmp_path / "g", SHAPES[name], 4.0, head_bits=6, device="cuda")
+    model = load_model(path, device="cuda")
+    layers = len(model.layers)
+    qk = 2 if name == "tiny-gemma3" else 0
+    ids = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(5)).cuda()
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", on)
+        logits[on] = _steps(model, ids, prompt=20)
+        cache = model.new_static_cache(1, 64, min_span=16)
+        with torch.inference_mode():
+            model(ids[:, :20], cache)
+            names = kernel_names(lambda: model(ids[:, 20:21], cache))
+        norms = sum("rms_norm_kernel" in n for n in names)
+        doubled = sum("prep_frag_kernel<false, true>" in n for n in names)
+        if on:
+            assert (norms, doubled) == (qk * layers + 2, 2 * layers - 1), names
+        else:
+            assert (norms, doubled) == ((2 + qk) * layers + 1, 0), names
+    assert len(logits[True]) == len(logits[False]) == 7
+    for a, b in zip(logits[True], logits[False]):
+        a, b = a.float().cpu(), b.float().cpu()
+        assert ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() < 1e-2
+        assert same_top(a, b)

@@ -128,3 +128,36 @@ def test_pending_norm_off_the_gpu_is_the_norm_and_the_sum():
     assert lazy.value() is lazy.normed
     unit = RMSNorm(torch.zeros(64), 1e-6, unit_offset=True).pending(x, r)
     assert torch.allclose(ops.as_tensor(unit), RMSNorm(torch.zeros(64), 1e-6, unit_offset=True)(x + r))
+
+
+def test_norm_over_a_pending_norm():
+    """A Gemma block's post-norm and the norm after it (RMSNorm.pending of a pending norm): off the
+    GPU the inner one is computed at once (in Gemma's fp32 form), so the outer is the norm of its
+    output plus the residual. A norm over a norm built by hand (PendingNorm.pre_weight, as the GPU
+    fold makes it) computes the inner norm on demand, and settle_pre leaves the outer pending as a
+    plain norm of the inner one's output; no prep takes it off the GPU."""
+    from engine.models.layers import RMSNorm
+    post = RMSNorm(torch.randn(128) * 0.3, 1e-6, unit_offset=True)
+    pre = RMSNorm(torch.randn(128) * 0.3, 1e-5, unit_offset=True)
+    x, r = torch.randn(2, 3, 128) * 5, torch.randn(2, 3, 128)
+    inner = post.pending(x)
+    p = pre.pending(inner, r)
+    assert p.pre_weight is None and p.normed is not None
+    want_h, want_s = pre.add_forward(post(x), r)
+    assert torch.equal(ops.as_tensor(p), want_h) and torch.equal(ops.as_sum(p), want_s)
+
+    w, pw = torch.rand(128) + 0.5, torch.rand(128) + 0.5
+    lazy = ops.PendingNorm(x, w, 1e-5, r, pre_weight=pw, pre_eps=1e-6)
+    want_h, want_s = ops.add_rms_norm(ops.rms_norm(x, pw, 1e-6), r, w, 1e-5)
+    assert not lazy.fusable(128) and not lazy.fusable(128, pre_ok=True)
+    assert torch.equal(lazy.value(), want_h) and torch.equal(ops.as_sum(lazy), want_s)
+    assert lazy.pre_weight is None
+    settled = ops.PendingNorm(x, w, 1e-5, r, pre_weight=pw, pre_eps=1e-6)
+    settled.settle_pre()
+    assert settled.pre_weight is None and settled.normed is None
+    assert torch.equal(settled.x, ops.rms_norm(x, pw, 1e-6)) and torch.equal(settled.value(), want_h)
+    # the grouped product's reference path (no GPU) takes the settled input
+    members = [rand_layer(128, 128, 4, "mul1", 3), rand_layer(128, 256, 4, "mul1", 4)]
+    want = [fmt.exl3_matmul_reference(want_h, t) for t in members]
+    got = ops.exl3_gemm_group(ops.PendingNorm(x, w, 1e-5, r, pre_weight=pw, pre_eps=1e-6), ops.join_linears(members))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want))

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
+from tests.gpu_layers import capture, kernel_names, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
 CODEBOOKS = ["3inst", "mcg", "mul1"]
 DEV = torch.device("cuda")
@@ -655,6 +655,36 @@ def test_pending_norm_computed_in_the_grouped_prep(with_residual):
         assert p.normed is None and torch.equal(ops.as_sum(p), s), rows
         for a, b in zip(got, want):
             assert rel_rms(a, b) < 1e-3, (rows, int8)
+
+
+def test_norm_over_a_norm_computed_in_the_grouped_prep(monkeypatch):
+    """A Gemma block's post-norm, residual add and next pre-norm (PendingNorm.pre_weight) in one
+    decode prep (ops.PREP_DOUBLE_NORM): the double-normed prep kernel runs and no rms_norm kernel
+    does; the products equal those from the two norm kernels' output up to the order of the rows'
+    sums of squares, and the residual stream is theirs to an fp16 rounding; for the fp16 and int8
+    paths, rows in one block and across blocks, and more rows than one fused pass. With the
+    setting off the inner norm runs as its kernel and the outer one in the prep, as before."""
+    members = [rand_layer(512, n, 4, "mul1", seed=520 + i) for i, n in enumerate((384, 128, 128))]
+    g = ops.join_linears(members)
+    w = (torch.rand(512, device=DEV) + 0.5).half()
+    pw = (torch.rand(512, device=DEV) + 0.5).half()
+    for rows, int8 in ((1, False), (1, True), (3, True), (5, True), (40, False)):
+        x = torch.randn(1, rows, 512, device=DEV).half() * 4
+        r = torch.randn(1, rows, 512, device=DEV).half()
+        h, s = ops.add_rms_norm(ops.rms_norm(x, pw, 1e-6), r, w, 1e-5)
+        want = ops.exl3_gemm_group(h, g, mode="fused", int8=int8)
+        for on in (True, False):
+            monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", on)
+            p = ops.PendingNorm(x, w, 1e-5, r, pre_weight=pw, pre_eps=1e-6)
+            names = kernel_names(lambda: ops.exl3_gemm_group(p, g, mode="fused", int8=int8))
+            passes = -(-rows // 32)  # the binding's fused passes of at most 32 rows, a prep each
+            assert sum("prep_frag_kernel<false, true>" in n for n in names) == (passes if on else 0), (rows, names)
+            assert sum("rms_norm_kernel" in n for n in names) == (0 if on else 1), (rows, names)
+            p = ops.PendingNorm(x, w, 1e-5, r, pre_weight=pw, pre_eps=1e-6)
+            got = ops.exl3_gemm_group(p, g, mode="fused", int8=int8)
+            assert p.normed is None and torch.allclose(ops.as_sum(p), s, rtol=2e-3, atol=4e-3), (rows, on)
+            for a, b in zip(got, want):
+                assert rel_rms(a, b) < 1e-3, (rows, int8, on)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

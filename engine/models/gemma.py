@@ -46,21 +46,26 @@ class GemmaLayer(nn.Module):
             c.hidden_act,
         )
         self.post_feedforward_layernorm = load.norm(f"{key}.post_feedforward_layernorm", h, eps, unit_offset=True)
+        # One decode row: the attention kernel may write o_proj's input (engine/ops/chain.py; at
+        # head dim 256 on the tensor-core walk), o_proj then launched by the norm that reads it.
+        self.self_attn.defer_output = True
 
     def forward(self, x, cos, sin, mask, cache):
         x, mlp_out = self.residual_forward(x, None, cos, sin, mask, cache)
-        return x + mlp_out
+        return x + ops.as_tensor(mlp_out)
 
     def residual_forward(self, x, pending, cos, sin, mask, cache):
         """(residual stream, this layer's normed MLP output not yet added to it), as
         DecoderLayer.residual_forward: each residual add rides with the norm after it, `pending`
         (the previous layer's) with this layer's input norm, the normed attention output with the
         pre-feedforward norm; on the GPU both run in the prep of the grouped product that reads
-        them. The post-attention and post-feedforward norms are kernels of their own."""
+        them. The post-attention and post-feedforward norms stay pending too (PendingNorm), so the
+        next norm can take them along (RMSNorm.pending): with ops.PREP_DOUBLE_NORM the decode
+        prep computes both; otherwise each is a kernel of its own."""
         h = self.input_layernorm.pending(x) if pending is None else self.input_layernorm.pending(pending, x)
-        a = self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, cache))
+        a = self.post_attention_layernorm.pending(self.self_attn(h, cos, sin, mask, cache))
         h = self.pre_feedforward_layernorm.pending(a, ops.as_sum(h))
-        out = self.post_feedforward_layernorm(self.mlp(h))
+        out = self.post_feedforward_layernorm.pending(ops.as_tensor(self.mlp(h)))
         return ops.as_sum(h), out
 
 

@@ -56,9 +56,19 @@ class RMSNorm(nn.Module):
         s = x + residual
         return self(s), s
 
-    def pending(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> ops.PendingNorm:
+    def pending(self, x: "torch.Tensor | ops.PendingNorm", residual: torch.Tensor | None = None) -> ops.PendingNorm:
         """norm(x (+ residual)) as a PendingNorm: on the GPU the grouped product that reads it
-        computes it in its prep; elsewhere it is computed now."""
+        computes it in its prep; elsewhere it is computed now. x may itself be a pending plain
+        norm (a Gemma block's post-norm): on the GPU the two become one PendingNorm whose reader's
+        prep may compute both (PendingNorm.pre_weight), saving the inner norm's launch."""
+        if isinstance(x, ops.PendingNorm):
+            if x.normed is None and x.residual is None and x.pre_weight is None and residual is not None:
+                inner = ops.as_tensor(x.x)  # a deferred product (o_proj after its attention chain) runs now
+                if inner.is_cuda:
+                    return ops.PendingNorm(inner, self.kernel_weight, self.eps, residual, pre_weight=x.weight,
+                                           pre_eps=x.eps)
+                x.x = inner
+            x = ops.as_tensor(x)
         p = ops.PendingNorm(x, self.kernel_weight, self.eps, residual)
         if not x.is_cuda:
             if residual is None:

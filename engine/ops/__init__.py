@@ -69,6 +69,13 @@ OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 # extension when it loads; benchmarks and tests that change it restore this.
 FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 
+# A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
+# the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
+# per Gemma block, two per layer. Off by default until a GPU run has checked it (written in
+# session 22, which had none: csrc/PERF_NOTES.md); TRELLIS_PREP_DOUBLE_NORM=1 turns it on. Off,
+# the inner norm runs as its own kernel and the outer one in the prep, as before.
+PREP_DOUBLE_NORM = os.environ.get("TRELLIS_PREP_DOUBLE_NORM", "0") == "1"
+
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
@@ -460,6 +467,8 @@ def _member_inputs(x: "torch.Tensor | PendingNorm", g: EXL3Group) -> list[torch.
     then one transform per member, which TRELLIS_NORM_HAD=0 runs (bench.prefill's cuda-normsep)."""
     in_f = g.trellis.shape[0] * 16
     ext = extension()
+    if isinstance(x, PendingNorm):
+        x.settle_pre()
     if isinstance(x, PendingNorm) and NORM_HAD and x.fusable(in_f) and not isinstance(x.x, OpenSums):
         res = None if x.residual is None else x.residual.reshape(-1, in_f)
         outs = ext.norm_had128(x.x.reshape(-1, in_f), x.weight, x.eps, res, g.suh)
@@ -528,6 +537,9 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     rows = x.shape[:-1].numel()
     fused = mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS)
     norm = None
+    if (isinstance(x, PendingNorm) and x.pre_weight is not None
+            and not (fused and g.trellis.is_cuda and x.fusable(in_f, pre_ok=True))):
+        x.settle_pre()  # only the fused product's prep (prep_frag) takes a norm over a norm
     open_ok = fused and chain is None and _open.enabled() and g.trellis.is_cuda and _use_cuda(g.suh, g.svh)
     if isinstance(x, PendingNorm) and isinstance(x.x, OpenSums):
         if open_ok and x.fusable(in_f) and x.x.device == g.trellis.device:
@@ -547,7 +559,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
             and x.fusable(in_f) and _use_cuda(g.suh, g.svh)):
         return _dense_group(x, g)  # a prefill: the norm in the members' input pass
     if isinstance(x, PendingNorm):
-        if fused and x.fusable(in_f) and g.trellis.is_cuda:
+        if fused and x.fusable(in_f, pre_ok=True) and g.trellis.is_cuda:
             norm, x = x, x.x
         else:
             x = x.value()
@@ -566,7 +578,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     use_i8 = rows <= INT8_MAX_ROWS if int8 is None else int8
     y = extension().exl3_gemm(_kernel_rows(x, in_f), g.suh, g.svh, g.trellis, g.bias, CODEBOOK_IDS[g.codebook], ws, 0,
                               int(use_i8), 3, counters, g.seg_cols, None, 0, *_norm_args(norm, in_f), [],
-                              *_chain_args(chain), [], None, leave_open)
+                              *_chain_args(chain), [], None, leave_open, *_pre_norm_args(norm))
     if leave_open:
         return _open.wrap(y, g.svh, g.bias, ws, g.bounds, tuple(lead), x.dtype)
     y = y.reshape(*lead, out_f)
@@ -590,6 +602,13 @@ def _norm_args(norm: "PendingNorm | None", in_f: int) -> tuple:
     res_out = None if res is None else torch.empty_like(res)
     norm.sum = norm.x if res_out is None else res_out.view(norm.x.shape)
     return (norm.weight, norm.eps, res, res_out)
+
+
+def _pre_norm_args(norm: "PendingNorm | None") -> tuple:
+    """exl3_gemm's (pre_norm_w, pre_eps): the norm before `norm`'s residual add, if it has one."""
+    if norm is None or norm.pre_weight is None:
+        return (None, 0.0)
+    return (norm.pre_weight, norm.pre_eps)
 
 
 def _open_group(x: OpenSums, norm: "PendingNorm | None", g: EXL3Group, int8: bool | None,
@@ -674,13 +693,20 @@ class PendingNorm:
     """rms_norm(x + residual) * weight (residual optional), not computed yet. A grouped product on
     the GPU that reads it (q/k/v, gate/up) computes the norm in its activation prep, which saves
     the norm's own launch; anything else calls value(). `sum` is x + residual, the residual
-    stream a layer goes on with, once either has run."""
+    stream a layer goes on with, once either has run.
+
+    With pre_weight, x is first normed on its own, rms_norm(x) * pre_weight (pre_eps): a Gemma
+    block's post-norm before the residual add (RMSNorm.pending folds one pending norm into the
+    next). The fused decode product's prep takes both norms where PREP_DOUBLE_NORM is on;
+    everything else runs the inner norm first (settle_pre)."""
     x: torch.Tensor
     weight: torch.Tensor
     eps: float
     residual: torch.Tensor | None = None
     sum: torch.Tensor | None = None
     normed: torch.Tensor | None = None
+    pre_weight: torch.Tensor | None = None
+    pre_eps: float = 0.0
 
     @property
     def shape(self) -> torch.Size:
@@ -690,9 +716,17 @@ class PendingNorm:
     def dtype(self) -> torch.dtype:
         return self.x.dtype
 
+    def settle_pre(self) -> None:
+        """The inner norm of a norm over a norm, computed now (its own kernel on the GPU), for a
+        reader that takes one norm: this stays pending as a plain one."""
+        if self.pre_weight is not None:
+            self.x = rms_norm(as_tensor(self.x), self.pre_weight, self.pre_eps)
+            self.pre_weight = None
+
     def value(self) -> torch.Tensor:
         if isinstance(self.x, (Deferred, OpenSums)):
             self.x = self.x.value()
+        self.settle_pre()
         if self.normed is None:
             if self.residual is None:
                 self.normed, self.sum = rms_norm(self.x, self.weight, self.eps), self.x
@@ -700,10 +734,17 @@ class PendingNorm:
                 self.normed, self.sum = add_rms_norm(self.x, self.residual, self.weight, self.eps)
         return self.normed
 
-    def fusable(self, in_features: int) -> bool:
-        """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width."""
+    def fusable(self, in_features: int, pre_ok: bool = False) -> bool:
+        """Whether a product's prep can compute it: fp16 CUDA, contiguous, unpadded width. A norm
+        over a norm only where the reader's prep takes both (pre_ok: the fused decode product's)
+        and PREP_DOUBLE_NORM is on; it needs a residual and a plain tensor x."""
         if isinstance(self.x, Deferred):
             return False
+        if self.pre_weight is not None:
+            if not (pre_ok and PREP_DOUBLE_NORM and self.residual is not None and isinstance(self.x, torch.Tensor)
+                    and _use_cuda(self.pre_weight) and self.pre_weight.is_contiguous()
+                    and self.pre_weight.shape == (in_features,)):
+                return False
         if isinstance(self.x, OpenSums):
             # the prep finishes them (open_sums.py); the residual stream it writes needs a residual
             if self.residual is None or not _open.readable(self.x, None, in_features):

@@ -29,6 +29,8 @@ def dense_gated_mlp(x: "torch.Tensor | ops.PendingNorm", g: "ops.EXL3Group", dow
             or not g.trellis.is_cuda or not down.trellis.is_cuda
             or not ops._use_cuda(g.suh, g.svh, down.suh, down.svh)):
         return None
+    if isinstance(x, ops.PendingNorm):
+        x.settle_pre()  # a norm over a norm: the inner one first, the outer in the input pass
     if not isinstance(x, ops.PendingNorm) or not x.fusable(in_f):
         x = ops.as_tensor(x)
         if not ops._use_cuda(x):
