@@ -89,7 +89,6 @@ def test_exl3_gemma_post_norms_ride_in_the_next_prep(tmp_path, name, monkeypatch
     rounding (the inner norm's sum of squares is added in the prep's order, not the norm kernel's)."""
     from bench.synth import SHAPES, write_synth_model
     from engine import ops
-    from tests.test_qwen3_gpu import _steps
 
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", False)
     path = write_synth_model(tmp_path / "g", SHAPES[name], 4.0, head_bits=6, device="cuda")
@@ -100,7 +99,7 @@ def test_exl3_gemma_post_norms_ride_in_the_next_prep(tmp_path, name, monkeypatch
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", on)
-        logits[on] = _steps(model, ids, prompt=20)
+        logits[on] = decode_logits(model, model.new_static_cache(1, 64, min_span=16), ids, prompt=20)
         cache = model.new_static_cache(1, 64, min_span=16)
         with torch.inference_mode():
             model(ids[:, :20], cache)
