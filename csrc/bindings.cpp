@@ -627,11 +627,6 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 }
 
 
-// One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
-// strides), mask additive fp16 [1 or B, S] or none; softcap: Gemma 2's score cap (0: none);
-// counters (int32, zero, left zero) are the caller's persistent scratch. Returns out [B, H, 1, D].
-// next (decode chain into o_proj, B = 1, D = 128, or 256 on the tensor-core walk): [xb, scales, csum, suh] of o_proj's input
-// (check_prepared's shapes with in = H * D), written from the output as o_proj's prep would.
 // Whether decode_attention over this cache span k, v [B, Hkv, S, D] can write a chain output
 // (its `next`) for one sequence: head dim 128, or 256 where the tensor-core walk takes it.
 bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
@@ -646,6 +641,12 @@ bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
     return trellis::decode_attention_mma_stages(a) > 0;
 }
 
+// One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
+// strides), mask additive fp16 [1 or B, S] or none; softcap: Gemma 2's score cap (0: none);
+// counters (int32, zero, left zero) are the caller's persistent scratch. Returns out [B, H, 1, D].
+// next (decode chain into o_proj, B = 1, D = 128, or 256 on the tensor-core walk): [xb, scales,
+// csum, suh] of o_proj's input (check_prepared's shapes with in = H * D), written from the output
+// as o_proj's prep would.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
                                std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope,
