@@ -1,7 +1,7 @@
-# The start every GPU-machine script shares (sourced by gpu_session.sh and gpu_tune.sh): the
-# environment, the log ($OUT/log.txt as $L, seconds since $t0), the kernel build, the GPU tests
-# (full output in $OUT/pytest_gpu.txt; not with SKIP_GPU_TESTS=1), and $SUM, a one-line-per-row summary of bench.linear's
-# JSON lines (other lines pass through).
+# The start every GPU-machine script shares (sourced by gpu_session.sh, gpu_tune.sh and
+# check_unrun.sh): the environment, the log ($OUT/log.txt as $L, seconds since $t0), the kernel
+# build, the GPU tests (full output in $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1), and
+# $SUM, a one-line-per-row summary of bench.linear's JSON lines (other lines pass through).
 export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
 L=$OUT/log.txt
 t0=$(date +%s)
