@@ -9,7 +9,8 @@
 # - Qwen3's q/k norms inside decode attention (ops.ATTN_HEAD_NORMS, off by default; session 21);
 # - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, off; session 21);
 # - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off; session 22);
-# - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256).
+# - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256);
+# - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, off; session 22).
 # Turn a default on only if its tests pass and it measures faster. About 5-8 minutes a part.
 part=${1:-1}
 [ "$part" != 1 ] && export SKIP_GPU_TESTS=1
@@ -37,6 +38,9 @@ echo "== gemma 2 decode A/Bs $(( $(date +%s)-t0 ))s" | tee -a $L
 P="cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256+nochain \
   cuda-graph-pipelined+doublenorm cuda-graph-pipelined+nodoublenorm"
 timeout 360 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 4096 --tokens 96 --paths $P $P 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
+echo "== gemma 2 prefill: capped probabilities in one kernel / four passes $(( $(date +%s)-t0 ))s" | tee -a $L
+timeout 150 python3 -m bench.prefill --model-dir /tmp/g9b --lengths 4096 8192 --modes last_logits --paths cuda-cappedsoftmax \
+  cuda-nocappedsoftmax cuda-cappedsoftmax cuda-nocappedsoftmax 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
 else  # part 3, if device time is left: Gemma 3 (q/k norms, head dim 256, post-norms) all on / all off
 timeout 120 python3 -m bench.synth --shape gemma3-12b --bits 4 --out /tmp/g12b --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== gemma 3 decode: all / none $(( $(date +%s)-t0 ))s" | tee -a $L

@@ -94,7 +94,9 @@ def main(argv=None) -> int:
                     help="torch (dense fp16), cuda, cuda-hadwarp (cuda with the fp16 Hadamards a warp per "
                          "128-block, as before session 17: a same-run baseline), cuda-normsep (cuda with the "
                          "grouped products' norm and member input transforms as separate passes, as before "
-                         "session 18), cuda-hadonce (cuda with a block per Hadamard tile, as before session 18); paths may repeat")
+                         "session 18), cuda-hadonce (cuda with a block per Hadamard tile, as before session 18), "
+                         "cuda-cappedsoftmax / -nocappedsoftmax (Gemma 2's capped attention probabilities in one kernel / "
+                         "as PyTorch passes); paths may repeat")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--modes", nargs="+", default=["last_logits", "full"])
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of one prefill per path")
@@ -106,12 +108,14 @@ def main(argv=None) -> int:
 
     model_dir = model_dir_of(args)
     loaded: dict = {}
+    capped_default = ops.CAPPED_SOFTMAX
     for path in args.paths:
         model, load_s = load_kind(loaded, model_dir, path)
         if path != "torch":
             ops.extension().set_had_tiles(ops.HAD_TILES and path != "cuda-hadwarp")
             ops.extension().set_had_pipeline(ops.HAD_PIPELINE and path != "cuda-hadonce")
             ops.NORM_HAD = path != "cuda-normsep"
+            ops.CAPPED_SOFTMAX = {"cuda-cappedsoftmax": True, "cuda-nocappedsoftmax": False}.get(path, capped_default)
         for T in args.lengths:
             for mode in args.modes:
                 try:

@@ -627,6 +627,30 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 }
 
 
+// Gemma 2's prefill probabilities in place (trellis::capped_softmax): scores [..., t, S] fp16,
+// contiguous, holding scale / softcap times q.k, the chunk's queries q0 .. q0 + t - 1; mask bool
+// [T or 1, S] (True = may attend; rows of the whole prefill's T queries) or none.
+void capped_softmax_(torch::Tensor scores, double softcap, c10::optional<torch::Tensor> mask, int64_t q0) {
+    TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == torch::kHalf && scores.is_contiguous() && scores.dim() >= 2,
+                "capped_softmax_: scores must be a contiguous fp16 CUDA tensor [..., t, S]");
+    const int64_t S = scores.size(-1), t = scores.size(-2);
+    TORCH_CHECK(S >= 1 && t >= 1 && S <= trellis::capped_softmax_max_len(),
+                "capped_softmax_: rows of 1 to ", trellis::capped_softmax_max_len(), " scores");
+    TORCH_CHECK(softcap > 0.0 && std::isfinite(softcap), "capped_softmax_: softcap must be finite and > 0");
+    const uint8_t* m = nullptr;
+    long ld = 0;
+    if (mask.has_value()) {
+        TORCH_CHECK(mask->is_cuda() && mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(1) == S &&
+                        mask->stride(1) == 1 && (mask->size(0) == 1 || q0 + t <= mask->size(0)) && q0 >= 0,
+                    "capped_softmax_: mask must be bool [T or 1, S] with a row for every query, last dim contiguous");
+        m = reinterpret_cast<const uint8_t*>(mask->data_ptr());
+        ld = mask->size(0) == 1 ? 0 : (long)mask->stride(0);
+    }
+    const c10::cuda::CUDAGuard guard(scores.device());
+    CHECK_CUDA_OK(trellis::capped_softmax(hptr_mut(scores), (long)(scores.numel() / S), (int)S, (float)softcap, m, ld,
+                                          (int)t, (int)q0, at::cuda::getCurrentCUDAStream()));
+}
+
 // Whether decode_attention over this cache span k, v [B, Hkv, S, D] can write a chain output
 // (its `next`) for one sequence: head dim 128, or 256 where the tensor-core walk takes it.
 bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
@@ -780,6 +804,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("act"), py::arg("norm_w"), py::arg("eps"), py::arg("residual"), py::arg("residual_out"),
           py::arg("prepared"), py::arg("chain"), py::arg("chain_mode"), py::arg("chain_act"), py::arg("open_post"),
           py::arg("zero_after"), py::arg("open_out"), py::arg("pre_norm_w") = py::none(), py::arg("pre_eps") = 0.0);
+    m.def("capped_softmax_", &capped_softmax_, "Gemma 2's prefill attention probabilities in place, in one pass");
+    m.def("capped_softmax_max_len", &trellis::capped_softmax_max_len, "the longest score row capped_softmax_ takes");
     m.def("decode_attention_chain_serves", &decode_attention_chain_serves,
           "whether decode attention over this cache span can write o_proj's input (head dim 128, or 256 on the tensor-core walk)");
     m.def("chain_fits", &chain_fits, "whether a one-row product of this shape can write a decode chain output");

@@ -231,6 +231,15 @@ bool gemv_chain_fits(const MmArgs& a);
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
                              int codebook, cudaStream_t stream);
 
+// Gemma 2's prefill attention probabilities in place (capped_softmax.cu): each row of S fp16
+// scores s becomes softmax over the row of fp16(fp16(tanh(s)) * softcap), -inf where the mask
+// (uint8, 1 = may attend; row q0 + r % q_rows of rows mask_ld apart, 0: one row for all; nullptr:
+// none) hides a key. The scores hold already scale / softcap times q.k. S at most
+// capped_softmax_max_len() (the row stays in one block's shared memory).
+int capped_softmax_max_len();
+cudaError_t capped_softmax(half* scores, long rows, int S, float softcap, const uint8_t* mask, long mask_ld,
+                           int q_rows, int q0, cudaStream_t stream);
+
 // RMSNorm over the last dim: y = w * fp16(x * rsqrt(mean(x^2) + eps)); if residual is non-null,
 // x is first replaced by fp16(x + residual) and that sum is written to residual_out.
 cudaError_t rms_norm(const half* x, const half* residual, const half* w, half* y,

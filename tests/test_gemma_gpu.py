@@ -48,7 +48,8 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
     dim 256, whose 8-key tensor-core walk is turned on here) and Gemma 3 (head dim 256, its q/k
     norms inside decode attention turned on too) on the GPU: the fused products, whose preps
     compute Gemma's (1 + w) norms with the residual adds (and, turned on here, the post-norms before
-    them: ops.PREP_DOUBLE_NORM), the prefill's norm passes, and
+    them: ops.PREP_DOUBLE_NORM), the prefill's norm passes and Gemma 2's capped attention
+    probabilities (in one kernel, turned on here: ops.CAPPED_SOFTMAX), and
     graph-replayed decode steps (the decode kernel with Gemma 2's soft cap, or with Gemma 3's q/k
     norms and local rope) give the CPU reference path's logits (fp16 kernels against fp32
     reference math, the bound of the fixture models' test)."""
@@ -64,6 +65,7 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
         request.addfinalizer(lambda: ops.extension().set_attn_mma_d256(ops.ATTN_MMA_D256))
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
     monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", True)
+    monkeypatch.setattr(ops, "CAPPED_SOFTMAX", True)
     path = write_synth_model(tmp_path / "g", shape, 4.0, head_bits=6, device="cuda")
     cpu = load_model(path, device="cpu", dtype=torch.float32)
     gpu = load_model(path, device="cuda")

@@ -792,6 +792,63 @@ def _masked_attention_case(S: int, seed: int, H: int, Hkv: int, D: int, B: int):
     return q, k, v, window, per_row
 
 
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "one_row", "none"])
+@pytest.mark.parametrize("S", [1, 37, 4097])
+def test_capped_softmax_is_the_four_passes(mask_kind, S, monkeypatch):
+    """Gemma 2's prefill probabilities in one kernel (ops.CAPPED_SOFTMAX) against capped_attention's
+    tanh, cap, mask and softmax passes on the same fp16 scores: rows of 1 to 4,097 keys, a chunk
+    whose queries start past the first (q0), causal and windowed masks with a row per query, one
+    mask row for all, none. The kernel's tanh lands on the other side of an fp16 rounding of the
+    passes' now and then, which moves that score by a step of the cap's fp16 product: so every
+    probability within 2e-2, all but 1% within 2e-3, and rows that sum to 1."""
+    from engine.cache.masks import causal_mask
+    from engine.models.layers import apply_mask_
+
+    monkeypatch.setattr(ops, "CAPPED_SOFTMAX", True)
+    T = min(S, 40)
+    q0 = T // 3
+    g = torch.Generator(device=DEV).manual_seed(S)
+    scores = (torch.randn(2, 3, 2, T - q0, S, generator=g, device=DEV) * 1.5).half()  # around the cap
+    one_row = torch.rand(1, S, generator=g, device=DEV) > 0.3
+    one_row[0, 0] = True
+    mask = {"causal": causal_mask(S - T, T, None, DEV), "window": causal_mask(S - T, T, 5, DEV),
+            "one_row": one_row, "none": None}[mask_kind]
+    want = scores.clone().tanh_().mul_(30.0)
+    if mask is not None:
+        apply_mask_(want, mask[q0:T] if mask.shape[0] == T else mask)
+    want = torch.softmax(want, dim=-1).float()
+    got = scores.clone()
+    names = kernel_names(lambda: ops.capped_softmax_(got, 30.0, mask, q0))
+    assert [n for n in names if "capped_softmax_kernel" in n], names
+    got = scores.clone()
+    assert ops.capped_softmax_(got, 30.0, mask, q0)
+    diff = (got.float() - want).abs()
+    assert diff.max().item() < 2e-2 and (diff > 2e-3).float().mean().item() < 1e-2
+    assert (got.float().sum(-1) - 1).abs().max().item() < 1e-2
+    monkeypatch.setattr(ops, "CAPPED_SOFTMAX", False)
+    assert not ops.capped_softmax_(scores.clone(), 30.0, mask, q0)
+
+
+def test_capped_attention_on_the_kernel_is_the_passes(monkeypatch):
+    """A Gemma-2-like prefill (16 query heads of 256 over 8, 300 queries in chunks of 64 over 300
+    keys, causal and windowed) through capped_attention with the one-pass kernel and without: the
+    outputs within 2e-3 relative RMS."""
+    from engine.cache.masks import causal_mask
+    from engine.models.layers import capped_attention
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = torch.randn(1, 16, 300, 256, generator=g, device=DEV).half()
+    k = torch.randn(1, 8, 300, 256, generator=g, device=DEV).half()
+    v = torch.randn(1, 8, 300, 256, generator=g, device=DEV).half()
+    budget = 64 * 16 * 300 * 2 * 2  # 64 queries' scores and probabilities a chunk
+    for mask in (None, causal_mask(0, 300, 64, DEV)):
+        outs = {}
+        for on in (True, False):
+            monkeypatch.setattr(ops, "CAPPED_SOFTMAX", on)
+            outs[on] = capped_attention(q, k, v, mask, 256 ** -0.5, 50.0, scores_bytes=budget)
+        assert rel_rms(outs[True], outs[False]) < 2e-3
+
+
 @pytest.mark.parametrize("D,H,Hkv,B", [(128, 32, 16, 1), (256, 16, 8, 1), (64, 9, 3, 2), (256, 8, 4, 2)])
 @pytest.mark.parametrize("S", [1, 37, 256, 4100])
 def test_decode_attention_soft_caps_its_scores(D, H, Hkv, B, S):

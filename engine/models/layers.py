@@ -281,8 +281,10 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     are folded into the query axis (as in one_query_attention), so K and V are read in place, never
     copied per head. The scores stay in q's dtype and are transformed in place (softmax accumulates
     in fp32 for 16-bit inputs): on the GPU each pass over them is memory traffic, and fp32 copies
-    made a 4,096-token Gemma-2-9B prefill 0.7x as fast (session 20, call 5). Shapes and mask as
-    `attention`'s (None: causal)."""
+    made a 4,096-token Gemma-2-9B prefill 0.7x as fast (session 20, call 5). With
+    ops.CAPPED_SOFTMAX one kernel does a chunk's tanh, cap, mask and softmax in one read and one
+    write of its scores, where a bool mask of one row per query (or one row for all) is given.
+    Shapes and mask as `attention`'s (None: causal)."""
     B, H, T, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     groups = H // kv_heads
@@ -298,9 +300,13 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         scores = torch.matmul(qg[:, :, :, t0:t1], keys_t)  # [B, Hkv, groups, t, S]
-        scores.tanh_().mul_(softcap)
-        apply_mask_(scores, mask[..., t0:t1, :] if mask.shape[-2] == T else mask)
-        out[:, :, :, t0:t1] = torch.matmul(torch.softmax(scores, dim=-1), values)
+        if mask.dim() == 2 and ops.capped_softmax_(scores, softcap, mask, t0):
+            probs = scores  # the four passes below in one kernel (ops.CAPPED_SOFTMAX)
+        else:
+            scores.tanh_().mul_(softcap)
+            apply_mask_(scores, mask[..., t0:t1, :] if mask.shape[-2] == T else mask)
+            probs = torch.softmax(scores, dim=-1)
+        out[:, :, :, t0:t1] = torch.matmul(probs, values)
     return out.reshape(B, H, T, D)
 
 

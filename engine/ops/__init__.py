@@ -76,6 +76,12 @@ FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 # the inner norm runs as its own kernel and the outer one in the prep, as before.
 PREP_DOUBLE_NORM = os.environ.get("TRELLIS_PREP_DOUBLE_NORM", "0") == "1"
 
+# Gemma 2's prefill attention: tanh, the cap, the mask and the softmax of each chunk of scores in
+# one kernel (csrc/capped_softmax.cu) instead of four PyTorch passes over them. Off by default
+# until a GPU run has checked it (written in session 22, which had none); TRELLIS_CAPPED_SOFTMAX=1
+# turns it on.
+CAPPED_SOFTMAX = os.environ.get("TRELLIS_CAPPED_SOFTMAX", "0") == "1"
+
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
@@ -686,6 +692,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return y, s
     s = x + residual
     return rms_norm(s, weight, eps), s
+
+
+def capped_softmax_(scores: torch.Tensor, softcap: float, mask: torch.Tensor | None, q0: int) -> bool:
+    """Gemma 2's attention probabilities in place where the kernel takes them: scores [..., t, S]
+    (scale / softcap times q.k) become softmax(mask(softcap * tanh(scores))), rounded as
+    capped_attention's passes round them; mask bool [T or 1, S] (the chunk's queries are rows q0 ..
+    q0 + t - 1) or None. False (scores untouched) where it does not serve: the caller runs the
+    passes."""
+    if not (CAPPED_SOFTMAX and _use_cuda(scores) and scores.dim() >= 2 and scores.is_contiguous()):
+        return False
+    S, t = scores.shape[-1], scores.shape[-2]
+    if mask is not None and not (mask.dtype == torch.bool and mask.dim() == 2 and mask.shape[-1] == S and mask.is_cuda
+                                 and (mask.shape[0] == 1 or q0 + t <= mask.shape[0]) and mask.stride(-1) == 1):
+        return False
+    ext = extension()
+    if S > ext.capped_softmax_max_len():
+        return False
+    ext.capped_softmax_(scores, float(softcap), mask, int(q0))
+    return True
 
 
 @dataclass
