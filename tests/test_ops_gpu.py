@@ -799,8 +799,9 @@ def test_capped_softmax_is_the_four_passes(mask_kind, S, monkeypatch):
     tanh, cap, mask and softmax passes on the same fp16 scores: rows of 1 to 4,097 keys, a chunk
     whose queries start past the first (q0), causal and windowed masks with a row per query, one
     mask row for all, none. The kernel's tanh lands on the other side of an fp16 rounding of the
-    passes' now and then, which moves that score by a step of the cap's fp16 product: so every
-    probability within 2e-2, all but 1% within 2e-3, and rows that sum to 1."""
+    passes' now and then (about 1e-4 of scores: tests/test_attention.py), which moves that score
+    by a step of the cap's fp16 product: so every probability within 1e-2, all but 0.1% within
+    2e-3, and rows that sum to 1."""
     from engine.cache.masks import causal_mask
     from engine.models.layers import apply_mask_
 
@@ -823,7 +824,7 @@ def test_capped_softmax_is_the_four_passes(mask_kind, S, monkeypatch):
     got = scores.clone()
     assert ops.capped_softmax_(got, 30.0, mask, q0)
     diff = (got.float() - want).abs()
-    assert diff.max().item() < 2e-2 and (diff > 2e-3).float().mean().item() < 1e-2
+    assert diff.max().item() < 1e-2 and (diff > 2e-3).float().mean().item() < 1e-3
     assert (got.float().sum(-1) - 1).abs().max().item() < 1e-2
     monkeypatch.setattr(ops, "CAPPED_SOFTMAX", False)
     assert not ops.capped_softmax_(scores.clone(), 30.0, mask, q0)
