@@ -535,7 +535,9 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     one prep and one product launch serve every member (the prep writes each member's
     activations, int8 steps and sums); prefills reconstruct the joined W-hat once. Elsewhere
     each member's reference product. int8 as in exl3_gemm. x may be a PendingNorm: the fused
-    product's prep then computes the norm (and the residual sum) itself; where its x is a Deferred
+    product's prep then computes the norm (and the residual sum) itself, and with PREP_DOUBLE_NORM
+    a norm over a norm too (PendingNorm.pre_weight; elsewhere settle_pre runs the inner one first);
+    where its x is a Deferred
     product, that product's output stage writes this one's input (chain.py). chain: what this
     product's output stage writes for the next one (one row, fused). x (or the norm's x) may be
     open sums, and open_out leaves this product's outputs open where it may (open_sums.py)."""
