@@ -537,10 +537,10 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     each member's reference product. int8 as in exl3_gemm. x may be a PendingNorm: the fused
     product's prep then computes the norm (and the residual sum) itself, and with PREP_DOUBLE_NORM
     a norm over a norm too (PendingNorm.pre_weight; elsewhere settle_pre runs the inner one first);
-    where its x is a Deferred
-    product, that product's output stage writes this one's input (chain.py). chain: what this
-    product's output stage writes for the next one (one row, fused). x (or the norm's x) may be
-    open sums, and open_out leaves this product's outputs open where it may (open_sums.py)."""
+    where its x is a Deferred product, that product's output stage writes this one's input
+    (chain.py). chain: what this product's output stage writes for the next one (one row, fused).
+    x (or the norm's x) may be open sums, and open_out leaves this product's outputs open where it
+    may (open_sums.py)."""
     in_f = g.trellis.shape[0] * 16
     rows = x.shape[:-1].numel()
     fused = mode == "fused" or (mode == "auto" and rows <= FUSED_MAX_ROWS)
