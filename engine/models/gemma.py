@@ -46,9 +46,12 @@ class GemmaLayer(nn.Module):
             c.hidden_act,
         )
         self.post_feedforward_layernorm = load.norm(f"{key}.post_feedforward_layernorm", h, eps, unit_offset=True)
-        # One decode row: the attention kernel may write o_proj's input (engine/ops/chain.py; at
-        # head dim 256 on the tensor-core walk), o_proj then launched by the norm that reads it.
-        self.self_attn.defer_output = True
+        # One decode row: the attention kernel may write o_proj's input (engine/ops/chain.py), o_proj
+        # then launched by the norm that reads it. Head dim 256 only, where that rides on the
+        # tensor-core walk (ops.ATTN_MMA_D256, off until a GPU run has checked it): at head dim 128
+        # (the 27B models) the chain with Gemma's soft cap or q/k norms has not run on a GPU yet,
+        # so those keep o_proj's prep kernel.
+        self.self_attn.defer_output = c.head_dim == 256
 
     def forward(self, x, cos, sin, mask, cache):
         x, mlp_out = self.residual_forward(x, None, cos, sin, mask, cache)
