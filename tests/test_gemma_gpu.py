@@ -42,17 +42,18 @@ def test_gemma_norms_are_kernels_and_match_the_cpu(family, tmp_path):
     assert not [n for n in names if "reduce_kernel" in n], "a norm ran as PyTorch ops"
 
 
-@pytest.mark.parametrize("name,head_dim", [("tiny-gemma2", 64), ("tiny-gemma2", 256), ("tiny-gemma3", 256)])
+@pytest.mark.parametrize("name,head_dim", [("tiny-gemma2", 64), ("tiny-gemma2", 128), ("tiny-gemma2", 256),
+                                           ("tiny-gemma3", 256)])
 def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, head_dim, request, monkeypatch):
-    """A synthetic EXL3 Gemma 2 (bench.synth's tiny shape: head dim 64; and with Gemma 2's real head
-    dim 256, whose 8-key tensor-core walk is turned on here) and Gemma 3 (head dim 256, its q/k
-    norms inside decode attention turned on too) on the GPU: the fused products, whose preps
-    compute Gemma's (1 + w) norms with the residual adds (and, turned on here, the post-norms before
-    them: ops.PREP_DOUBLE_NORM), the prefill's norm passes and Gemma 2's capped attention
-    probabilities (in one kernel, turned on here: ops.CAPPED_SOFTMAX), and
+    """A synthetic EXL3 Gemma 2 (bench.synth's tiny shape: head dim 64; the 27B's head dim 128;
+    and Gemma 2's head dim 256, whose 8-key tensor-core walk is turned on here) and Gemma 3 (head
+    dim 256, its q/k norms inside decode attention turned on too) on the GPU: the fused products,
+    whose preps compute Gemma's (1 + w) norms with the residual adds (and, turned on here, the
+    post-norms before them: ops.PREP_DOUBLE_NORM), the prefill's norm passes and Gemma 2's capped
+    attention probabilities (in one kernel, turned on here: ops.CAPPED_SOFTMAX), and
     graph-replayed decode steps (the decode kernel with Gemma 2's soft cap, or with Gemma 3's q/k
-    norms and local rope) give the CPU reference path's logits (fp16 kernels against fp32
-    reference math, the bound of the fixture models' test)."""
+    norms and local rope; at head dim 256 writing o_proj's input) give the CPU reference path's
+    logits (fp16 kernels against fp32 reference math, the bound of the fixture models' test)."""
     from dataclasses import replace
 
     from bench.synth import SHAPES, write_synth_model
