@@ -10,7 +10,8 @@
 # - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, off; session 21);
 # - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off; session 22);
 # - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256);
-# - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, off; session 22).
+# - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, off; session 22);
+# - sliding-window layers' decode walking only their window (ops.ATTN_WINDOW, off; session 22).
 # Turn a default on only if its tests pass and it measures faster. About 5-8 minutes a part.
 part=${1:-1}
 [ "$part" != 1 ] && export SKIP_GPU_TESTS=1
@@ -38,15 +39,20 @@ echo "== gemma 2 decode A/Bs $(( $(date +%s)-t0 ))s" | tee -a $L
 P="cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256+nochain \
   cuda-graph-pipelined+doublenorm cuda-graph-pipelined+nodoublenorm"
 timeout 360 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 4096 --tokens 96 --paths $P $P 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
+# Past Gemma 2's 4,096-slot window: the sliding layers walk their window / the whole span.
+timeout 150 python3 -m bench.decode --model-dir /tmp/g9b --contexts 7680 --tokens 96 --paths cuda-graph-pipelined+attnwindow \
+  cuda-graph-pipelined+noattnwindow cuda-graph-pipelined+attnwindow cuda-graph-pipelined+noattnwindow 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
 echo "== gemma 2 prefill: capped probabilities in one kernel / four passes $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m bench.prefill --model-dir /tmp/g9b --lengths 4096 8192 --modes last_logits --paths cuda-cappedsoftmax \
   cuda-nocappedsoftmax cuda-cappedsoftmax cuda-nocappedsoftmax 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
-else  # part 3, if device time is left: Gemma 3 (q/k norms, head dim 256, post-norms) all on / all off
+else  # part 3, if device time is left: Gemma 3 (q/k norms, head dim 256, post-norms, its 1,024-slot window) all on / all off
 timeout 120 python3 -m bench.synth --shape gemma3-12b --bits 4 --out /tmp/g12b --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== gemma 3 decode: all / none $(( $(date +%s)-t0 ))s" | tee -a $L
-timeout 240 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 --tokens 96 --paths \
-  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm \
-  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm \
+timeout 300 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 16384 --tokens 96 --paths \
+  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm+attnwindow \
+  cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm+noattnwindow \
+  cuda-graph-pipelined+attnnorms+attnmmad256+doublenorm+attnwindow \
+  cuda-graph-pipelined+noattnnorms+noattnmmad256+nodoublenorm+noattnwindow \
   2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
 fi
 echo "== done $(( $(date +%s)-t0 ))s" | tee -a $L

@@ -274,6 +274,8 @@ def main(argv=None) -> int:
                          "in decode attention / as kernels of their own, with the RoPE), cuda-graph-attnmmad256 / "
                          "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), cuda-graph-doublenorm / "
                          "-nodoublenorm (Gemma's post-norms in the next product's prep / as kernels of their own), "
+                         "cuda-graph-attnwindow / -noattnwindow (sliding-window layers walk their window's slots / "
+                         "the whole span), "
                          "cuda-graph-noprep (timing probe: activation preps not launched), cuda-graph-sepprep / -selfprep (a prep "
                          "kernel before every product / decode products prep their own input), cuda-graph-chainattn / "
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
                           **bandwidth_floor(model_dir)}), flush=True)
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
-    attn_norms_default, double_norm_default = ops.ATTN_HEAD_NORMS, ops.PREP_DOUBLE_NORM
+    attn_norms_default, double_norm_default, window_default = ops.ATTN_HEAD_NORMS, ops.PREP_DOUBLE_NORM, ops.ATTN_WINDOW
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
@@ -341,6 +343,7 @@ def main(argv=None) -> int:
         ops.ATTN_HEAD_NORMS = pick({"cuda-graph-attnnorms": True, "cuda-graph-noattnnorms": False}, attn_norms_default)
         ops.PREP_DOUBLE_NORM = pick({"cuda-graph-doublenorm": True, "cuda-graph-nodoublenorm": False},
                                     double_norm_default)
+        ops.ATTN_WINDOW = pick({"cuda-graph-attnwindow": True, "cuda-graph-noattnwindow": False}, window_default)
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
         if path != "torch":

@@ -670,11 +670,12 @@ bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
 // counters (int32, zero, left zero) are the caller's persistent scratch. Returns out [B, H, 1, D].
 // next (decode chain into o_proj, B = 1, D = 128, or 256 on the tensor-core walk): [xb, scales,
 // csum, suh] of o_proj's input (check_prepared's shapes with in = H * D), written from the output
-// as o_proj's prep would.
+// as o_proj's prep would. window (> 0, with rope): the layer's sliding window, whose slots are
+// all the kernel walks (DecodeAttnArgs::window); 0: the whole span.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
                                std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope,
-                               double head_norm_eps) {
+                               double head_norm_eps, int64_t window) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -705,7 +706,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.q = hptr(q), a.q_b = (long)q.stride(0), a.q_h = (long)q.stride(1);
     a.k = hptr(k), a.v = hptr(v);
     a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
-    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, a.S, sms, trellis::decode_attention_mma_keys(a));
+    TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0 (0: none)");
+    // A sliding window's span (with the fused RoPE, whose pos the kernel finds the window by).
+    a.window = rope.empty() || window >= S ? 0 : (int)window;
+    const int slots = a.window > 0 ? a.window : a.S;
+    a.n_split = trellis::decode_attention_splits(a.B, a.Hkv, a.G, slots, sms, trellis::decode_attention_mma_keys(a));
     TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == torch::kInt &&
                     counters.numel() >= trellis::decode_attention_counters(a.B, a.Hkv, a.G),
                 "decode_attention: too few counters");

@@ -113,7 +113,9 @@ __device__ __forceinline__ typename HalfRow<DL>::T head_rms_norm(typename HalfRo
 // 128); kAttnHeadNormed, the per-head q/k norms before the step's RoPE (a.q_norm), also a variant
 // of its own, so the plain kernels stay the ones measured before it. No model has both.
 constexpr int kAttnPlain = 0, kAttnCapped = 1, kAttnHeadNormed = 2;
-template <int DL, int MODE, bool MMA, int NS = kAttnMmaMaxStages>
+// WIN: a sliding-window layer's step (a.window with a.pos): the splits share only the window's
+// slots of the span. A variant of its own, so the kernels without it keep their code.
+template <int DL, int MODE, bool MMA, int NS = kAttnMmaMaxStages, bool WIN = false>
 __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention_kernel(const DecodeAttnArgs a) {
     constexpr int D = 32 * DL;
     constexpr bool CAP = MODE == kAttnCapped, QKN = MODE == kAttnHeadNormed;
@@ -131,8 +133,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     const int kvh = blockIdx.y / nhg, hg = blockIdx.y - kvh * nhg, b = blockIdx.z;
     const int g0 = hg * kAttnHeads;
     const int ng = min(kAttnHeads, a.G - g0);  // real heads in this group
-    const int per_split = (a.S + a.n_split - 1) / a.n_split;
-    const int s0 = blockIdx.x * per_split, s1 = min(a.S, s0 + per_split);
+    // The slots the splits share: the span, or (WIN) a sliding window's slots of it. *pos is
+    // read before the PDL wait: the step before this one advanced it, in a kernel that completed
+    // before this grid's primary started.
+    int lo = 0, len = a.S;
+    if constexpr (WIN) {
+        lo = (int)max(0L, (long)*a.pos - a.window + 1);
+        len = min(a.S - lo, a.window);
+    }
+    const int per_split = (len + a.n_split - 1) / a.n_split;
+    const int s0 = lo + blockIdx.x * per_split, s1 = min(lo + len, s0 + per_split);
     // Whole 8-key steps per warp (the tensor-core walk masks the keys of its 16-key steps past j_end).
     const int per_warp = ((s1 - s0 + kAttnWarps - 1) / kAttnWarps + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
     const int j_begin = s0 + warp * per_warp, j_end = min(s1, j_begin + per_warp);
@@ -465,26 +475,32 @@ cudaError_t decode_attention(const DecodeAttnArgs& a, cudaStream_t stream) {
         return launch_pdl_smem(kern, grid, block, (size_t)bytes, stream, pdl, a);
     };
     const int ns = decode_attention_mma_stages(a);
-    // The kernel of head dim 32 DL and MODE C: the tensor-core walk with its ring stages, or the scalar one.
-    auto launch = [&](auto dl, auto mode) {
+    // The kernel of head dim 32 DL, MODE C and window variant W: the tensor-core walk with its
+    // ring stages, or the scalar one.
+    auto launch = [&](auto dl, auto mode, auto win) {
         constexpr int DL = decltype(dl)::value, C = decltype(mode)::value;
-        if (ns == 3) return with_ring(decode_attention_kernel<DL, C, true, 3>, attn_mma_smem_bytes(DL, 3));
-        if (ns == 2) return with_ring(decode_attention_kernel<DL, C, true, 2>, attn_mma_smem_bytes(DL, 2));
-        return launch_pdl(decode_attention_kernel<DL, C, false>, grid, block, 0, stream, pdl, a);
+        constexpr bool W = decltype(win)::value;
+        if (ns == 3) return with_ring(decode_attention_kernel<DL, C, true, 3, W>, attn_mma_smem_bytes(DL, 3));
+        if (ns == 2) return with_ring(decode_attention_kernel<DL, C, true, 2, W>, attn_mma_smem_bytes(DL, 2));
+        return launch_pdl(decode_attention_kernel<DL, C, false, kAttnMmaMaxStages, W>, grid, block, 0, stream, pdl, a);
     };
-    auto run = [&](auto mode) {
+    auto run_dim = [&](auto mode, auto win) {
         switch (a.D) {
             case 64:
                 if constexpr (decltype(mode)::value == kAttnHeadNormed) {
                     return cudaErrorInvalidValue;  // not built: Qwen3's and Gemma 3's heads are 128 or 256
                 } else {
-                    return launch(std::integral_constant<int, 2>{}, mode);
+                    return launch(std::integral_constant<int, 2>{}, mode, win);
                 }
-            case 128: return launch(std::integral_constant<int, 4>{}, mode);
-            case 256: return launch(std::integral_constant<int, 8>{}, mode);
+            case 128: return launch(std::integral_constant<int, 4>{}, mode, win);
+            case 256: return launch(std::integral_constant<int, 8>{}, mode, win);
             default: return cudaErrorInvalidValue;
         }
     };
+    auto run = [&](auto mode) {
+        return a.window > 0 ? run_dim(mode, std::true_type{}) : run_dim(mode, std::false_type{});
+    };
+    if (a.window < 0 || (a.window > 0 && !a.pos)) return cudaErrorInvalidValue;
     if (a.q_norm && (!a.pos || !a.k_norm || a.softcap > 0.f)) return cudaErrorInvalidValue;
     if (a.softcap > 0.f) return run(std::integral_constant<int, kAttnCapped>{});
     if (a.q_norm) return run(std::integral_constant<int, kAttnHeadNormed>{});

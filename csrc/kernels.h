@@ -346,6 +346,11 @@ struct DecodeAttnArgs {
     const half* q_norm = nullptr;
     const half* k_norm = nullptr;
     float head_norm_eps = 0.f;
+    // With pos, a sliding-window layer's window (> 0: the token sees slots pos - window < j <=
+    // pos): the splits then cover only the window's slots of the span, not all S (the mask still
+    // hides the slots past pos while the window has not filled); n_split counts splits of
+    // min(S, window) slots. 0: the whole span.
+    int window = 0;
 };
 // mma_keys: the tensor-core key walk serves the call with steps of this many keys
 // (decode_attention_mma_keys), one block per SM; 0: the scalar walk.

@@ -532,6 +532,56 @@ def test_attention_with_pending_rope_is_rope_then_attention(D, H, Hk, B, mma256,
     assert torch.equal(r2.apply(), wq.transpose(1, 2)) and torch.equal(caches2[0], want_caches[0])
 
 
+@pytest.mark.parametrize("D,H,Hk,mma256,cap", [(128, 32, 8, False, None), (256, 16, 8, False, 2.0),
+                                               (256, 16, 8, True, None), (64, 9, 3, False, None)])
+@pytest.mark.parametrize("span,pos,window", [(4096, 37, 1024), (4096, 4000, 1024), (8192, 5000, 4096),
+                                             (256, 200, 64), (256, 63, 64), (512, 300, 512), (2048, 2047, 1)])
+def test_windowed_step_walks_only_its_window(D, H, Hk, mma256, cap, span, pos, window, monkeypatch, request):
+    """A sliding-window layer's decode step with ops.ATTN_WINDOW: the kernel's splits cover only
+    the window's slots (pos - window, pos] of the span, found from the device position, so a long
+    span past the window costs no more than the window. Against the same step walking the whole
+    span behind the window's mask: the same cache bits (the token's slot written by the split that
+    holds it) and the output to fp16 rounding (the splits add in another order). With NaN in every
+    slot outside the window the output is the same to the bit: they are not read. Windows not yet
+    filled (pos < window - 1), filled, equal to the span, and one slot; the tensor-core and the
+    scalar walks, soft-capped too."""
+    g = torch.Generator(device=DEV).manual_seed(D + span + pos + window)
+    ops.extension().set_attn_mma_d256(mma256)
+    request.addfinalizer(lambda: ops.extension().set_attn_mma_d256(ops.ATTN_MMA_D256))
+    qkv = torch.randn(1, 1, (H + 2 * Hk) * D, generator=g, device=DEV).half()
+    cos = torch.randn(1, D, generator=g, device=DEV).half()
+    sin = torch.randn(1, D, generator=g, device=DEV).half()
+    position = torch.tensor([pos], device=DEV)
+    slots = torch.arange(span, device=DEV)
+    allowed = (slots <= pos) & (slots > pos - window)
+    mask = torch.where(allowed, 0.0, float("-inf")).half()[None, :]
+    base = [torch.randn(1, Hk, span, D, generator=g, device=DEV).half() for _ in range(2)]
+    outs, caches = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(ops, "ATTN_WINDOW", on)
+        q, k, v = qkv.clone().split([H * D, Hk * D, Hk * D], dim=-1)
+        c = [t.clone() for t in base]
+        rope = ops.PendingRope(q.view(1, 1, H, D).transpose(1, 2), c[0], c[1], k.view(1, 1, Hk, D),
+                               v.view(1, 1, Hk, D), cos, sin, position, None, window)
+        assert rope.serves(mask)
+        outs[on] = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap)
+        caches[on] = c
+    assert torch.equal(caches[True][0], caches[False][0]) and torch.equal(caches[True][1], caches[False][1])
+    assert rel_rms(outs[True], outs[False]) < 1e-3
+    lo = max(0, pos - window + 1)
+    outside = torch.ones(span, dtype=torch.bool, device=DEV)
+    outside[lo:min(span, lo + window)] = False
+    monkeypatch.setattr(ops, "ATTN_WINDOW", True)
+    q, k, v = qkv.clone().split([H * D, Hk * D, Hk * D], dim=-1)
+    c = [t.clone() for t in base]
+    for t in c:
+        t[:, :, outside] = float("nan")
+    rope = ops.PendingRope(q.view(1, 1, H, D).transpose(1, 2), c[0], c[1], k.view(1, 1, Hk, D),
+                           v.view(1, 1, Hk, D), cos, sin, position, None, window)
+    assert torch.equal(ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap),
+                       outs[True])
+
+
 def test_pending_rope_declines_what_the_kernel_cannot_take(monkeypatch):
     D, H, Hk, span = 128, 8, 2, 64
     qkv = torch.randn(1, 1, (H + 2 * Hk) * D, device=DEV).half()

@@ -102,14 +102,15 @@ class StaticKVCache(KVCache):
         return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
     def pending_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, head_norms=None) -> "ops.PendingRope":
+                     sin: torch.Tensor, head_norms=None, window: int | None = None) -> "ops.PendingRope":
         """One token's RoPE and cache write (after the q and k `head_norms`, where a model has
         them), not run yet: the decode attention kernel does them itself where it can (one to
         three kernels less per layer); elsewhere apply() runs them. q, k, v come as the
-        projections give them, [B, 1, heads, D]."""
+        projections give them, [B, 1, heads, D]. `window`: the layer's sliding window (mask()
+        hides the slots outside it), which the kernel may walk alone."""
         span = self.span(1)
         return ops.PendingRope(q.transpose(1, 2), self.keys[layer][:, :, :span], self.values[layer][:, :, :span],
-                               k, v, cos, sin, self.position, head_norms)
+                               k, v, cos, sin, self.position, head_norms, window)
 
     def advance(self, new_tokens: int) -> None:
         super().advance(new_tokens)

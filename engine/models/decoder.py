@@ -75,9 +75,9 @@ class Attention(nn.Module):
         rope = None
         if T == 1 and isinstance(cache, StaticKVCache):  # a decode step
             norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
-            rope = cache.pending_rope(self.layer, q, k, v, cos, sin, norms)
+            rope = cache.pending_rope(self.layer, q, k, v, cos, sin, norms, self.window)
             if norms is not None and not rope.serves(mask):  # the norms first, on their own
-                rope = cache.pending_rope(self.layer, self.q_norm(q), self.k_norm(k), v, cos, sin)
+                rope = cache.pending_rope(self.layer, self.q_norm(q), self.k_norm(k), v, cos, sin, window=self.window)
             if rope.serves(mask):  # the attention kernel does the norms (if left to it), RoPE and store
                 q, k, v = rope.q, rope.keys, rope.values
             else:  # RoPE and the cache write in one kernel of their own

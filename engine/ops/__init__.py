@@ -253,6 +253,11 @@ ATTN_ROPE = os.environ.get("TRELLIS_ATTN_ROPE", "1") != "0"
 # (written in session 21, which had none: csrc/PERF_NOTES.md); TRELLIS_ATTN_HEAD_NORMS=1 turns it
 # on. Off, the norms run as norm kernels before the attention kernel, which still does the RoPE.
 ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "0") == "1"
+# A sliding-window layer's decode step walks only its window's slots of the cache span, not the
+# whole span behind a mask (Gemma 2 and 3, Mistral-style windows; the larger the context past the
+# window, the more it saves). Off by default until a GPU run has checked it (written in session
+# 22, which had none); TRELLIS_ATTN_WINDOW=1 turns it on.
+ATTN_WINDOW = os.environ.get("TRELLIS_ATTN_WINDOW", "0") == "1"
 
 _attn_counters: dict = {}
 
@@ -264,8 +269,9 @@ class PendingRope:
     token's slot `position` (long [1] on the device) is in, k_new / v_new [B, 1, Hkv, D] the
     token's projections, cos / sin [1, D]. `head_norms` (Qwen3, Gemma 3): the q and k norms
     (models.layers.RMSNorm) that come before the RoPE, left to the kernel too; q and k_new are
-    then their inputs. Whoever holds one must run decode_attention with it, or apply() it, before
-    anything reads q or the cache."""
+    then their inputs. `window`: the layer's sliding window, whose slots are then all the kernel
+    walks (ATTN_WINDOW; the mask must hide the others). Whoever holds one must run
+    decode_attention with it, or apply() it, before anything reads q or the cache."""
 
     q: torch.Tensor
     keys: torch.Tensor
@@ -276,6 +282,7 @@ class PendingRope:
     sin: torch.Tensor
     position: torch.Tensor
     head_norms: "tuple[torch.nn.Module, torch.nn.Module] | None" = None
+    window: int | None = None  # the layer's sliding window: the token sees slots position - window < j
 
     def serves(self, mask: torch.Tensor | None) -> bool:
         """Whether the attention kernel takes this token's RoPE and cache write along with the
@@ -356,9 +363,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # query heads): B x H is always enough.
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
     nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
+    window = rope.window if rope is not None and ATTN_WINDOW and rope.window else 0
     return extension().decode_attention(q, k, v, mask, float(scale), float(softcap or 0.0), counters, nxt,
                                         [] if rope is None else rope.tensors(),
-                                        0.0 if rope is None else rope.norm_eps())
+                                        0.0 if rope is None else rope.norm_eps(), int(window))
 
 
 # ------------------------------------------------------------------------------------------
