@@ -8,7 +8,7 @@ t0=$(date +%s)
 timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
 if [ -z "$SKIP_GPU_TESTS" ]; then  # SKIP_GPU_TESTS=1: a second call of a session, its tests already run
   echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-  timeout 260 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
+  timeout 300 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
 fi
 SUM='import sys,json
 for l in sys.stdin:
