@@ -231,8 +231,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
             TORCH_CHECK(residual.has_value() && !open_in && prepared.empty(),
                         "a norm before the normed input needs a residual, and neither open sums nor a prepared input");
             check_half_vec(*pre_norm_w, in, "pre-norm weight");
-            norm.pre_w = hptr(*pre_norm_w);
-            norm.pre_eps = (float)pre_eps;
+            norm.pre = trellis::PreNorm{hptr(*pre_norm_w), (float)pre_eps};
         }
     } else {
         TORCH_CHECK(!pre_norm_w.has_value(), "a pre-norm weight goes with norm_w");
@@ -302,7 +301,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
         return y;
     }
-    if (fused_out && use_i8 && m == 1 && !a.next.mode && !open_in && !norm.pre_w && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
+    if (fused_out && use_i8 && m == 1 && !a.next.mode && !open_in && !norm.pre.w && trellis::gemv_self_prep(a)) {  // decode: no prep kernel
         a.self_prep = true;
         a.x = hptr(x);
         a.ldx = (int)x.stride(0);
@@ -655,14 +654,11 @@ void capped_softmax_(torch::Tensor scores, double softcap, c10::optional<torch::
 // (its `next`) for one sequence: head dim 128, or 256 where the tensor-core walk takes it.
 bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
     if (k.dim() != 4 || !k.is_cuda() || k.sizes() != v.sizes() || k.strides() != v.strides()) return false;
-    const int64_t D = k.size(3);
-    if (D == 128) return true;
-    if (D != 256) return false;
     const c10::cuda::CUDAGuard guard(k.device());
     trellis::DecodeAttnArgs a;
-    a.k = hptr(k), a.v = hptr(v), a.S = (int)k.size(2), a.D = (int)D;
+    a.k = hptr(k), a.v = hptr(v), a.S = (int)k.size(2), a.D = (int)k.size(3);
     a.kv_b = (long)k.stride(0), a.kv_h = (long)k.stride(1), a.kv_t = (long)k.stride(2);
-    return trellis::decode_attention_mma_stages(a) > 0;
+    return trellis::decode_attention_chains(a);
 }
 
 // One-token decode attention: q [B, H, 1, D], k, v [B, Hkv, S, D] (last dim contiguous, the same
@@ -726,7 +722,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.early_trigger = trellis::early_trigger_setting() == 1;
     a.merge_online = trellis::attn_merge_online_setting();
     if (!next.empty()) {
-        TORCH_CHECK(next.size() == 4 && B == 1 && (D == 128 || (D == 256 && trellis::decode_attention_mma_stages(a) > 0)),
+        TORCH_CHECK(next.size() == 4 && B == 1 && trellis::decode_attention_chains(a),
                     "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128, or 256 "
                     "on the tensor-core walk (decode_attention_chain_serves)");
         check_prepared(next[0], next[1], next[2], 1, H * D);

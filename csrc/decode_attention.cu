@@ -417,6 +417,11 @@ int decode_attention_mma_stages(const DecodeAttnArgs& a) {
     return takes ? attn_mma_stages_for(a.D) : 0;
 }
 
+bool decode_attention_chains(const DecodeAttnArgs& a) {
+    // The kernels with the chain code (kChains): head dim 128, and 256 on the tensor-core walk.
+    return a.D == 128 || (a.D == 256 && decode_attention_mma_stages(a) > 0);
+}
+
 int decode_attention_mma_keys(const DecodeAttnArgs& a) {
     return decode_attention_mma_stages(a) > 0 ? attn_mma_keys(a.D / 32) : 0;
 }

@@ -28,7 +28,7 @@ cudaError_t exl3_mm_partial(const MmArgs& a, cudaStream_t stream) {
     if (a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return cudaErrorInvalidValue;
     if (a.sq && (a.m > 8 || a.codebook != CB_MUL1)) return cudaErrorInvalidValue;
     if (a.version == 3) {
-        if (a.self_prep ? (a.m != 1 || a.codebook != CB_MUL1 || !a.x || !a.suh || a.norm.pre_w)
+        if (a.self_prep ? (a.m != 1 || a.codebook != CB_MUL1 || !a.x || !a.suh || a.norm.pre.w)
                         : (!a.xb || (a.scales && (a.m > 8 || a.codebook != CB_MUL1))))
             return cudaErrorInvalidValue;
         const int v = mm_debug_variant();
@@ -106,7 +106,7 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
 //        group r / 4.
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
-// PRE: x is normed on its own before the residual add and the norm (pre; PrepNorm::pre_w).
+// PRE: x is normed on its own before the residual add and the norm (pre, PrepNorm::pre).
 template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
@@ -168,14 +168,13 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     const bool gated = up || uo.z;
     if (norm.w && (gated || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
     if ((xo.z && !xo.svh) || (uo.z && (!uo.svh || !xo.z))) return cudaErrorInvalidValue;
-    if (norm.pre_w && (!norm.w || !norm.residual || xo.z)) return cudaErrorInvalidValue;
+    if (norm.pre.w && (!norm.w || !norm.residual || xo.z)) return cudaErrorInvalidValue;
     if (prep_skip_flag()) return cudaSuccess;
     const long tasks = (long)rows * (in / 128);
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
-    auto* kernel = norm.pre_w ? prep_frag_kernel<false, true> : xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
-    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng,
-                       PreNorm{norm.pre_w, norm.pre_eps});
+    auto* kernel = norm.pre.w ? prep_frag_kernel<false, true> : xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
+    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng, norm.pre);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

@@ -66,14 +66,8 @@ struct PrepInput {
     half* res_out = nullptr;       // required with res
     float eps = 0.f;
     OpenSums xo, uo;  // prep_frag<OPEN>: x / up as the open sums of the product before (kernels.h)
-};
-
-// A double-normed input's first norm (PrepNorm::pre_w): x is rms_norm(x) * w before the residual
-// add. Apart from PrepInput: two more fields there changed the code ptxas made of every prep
-// kernel (a third fewer instructions, unmeasured), which only a GPU run could vouch for.
-struct PreNorm {
-    const half* w;
-    float eps;
+    // Not here: a double norm's PreNorm (kernels.h), a kernel parameter of its own. Two more
+    // fields here changed the code NVVM made of every prep kernel (its loops unrolled less).
 };
 
 // A product's prep input from the launcher's pieces (prep_frag's arguments, MmArgs' self-prep fields).
@@ -158,6 +152,32 @@ __device__ __forceinline__ void add_squares4(float& acc, uint2 v) {
     acc += a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
 }
 
+constexpr int kPrepWarps = 8;  // prep and product blocks are 256 threads
+
+// The block's sums of squares of its rows r_first..r_last (ss: this thread's share of each) into
+// part, one row of part per warp, then a barrier: what block_row_inv and block_row_inv2 reduce.
+__device__ __forceinline__ void publish_row_sums(float (&ss)[kPrepWarps], float (*part)[kPrepWarps], int r_first,
+                                                 int r_last) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int lr = 0; lr < kPrepWarps; ++lr) {
+        if (r_first + lr <= r_last) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
+            if (lane == 0) part[warp][lr] = ss[lr];
+        }
+    }
+    __syncthreads();
+}
+
+// 1 / rms of the block's local row lr from its published sums (the warps' totals in warp order).
+__device__ __forceinline__ float published_row_inv(const float (*part)[kPrepWarps], int lr, int n, float eps) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kPrepWarps; ++w) t += part[w][lr];
+    return rsqrtf(t / n + eps);
+}
+
 // 1 / rms of row r, for a block of 8 warps whose threads all call this (a barrier) and whose
 // warps need rows r_first..r_last (r_last - r_first < 8). The block reads each row once, 4 values
 // per thread, and reduces through shared memory. Session 5 measured ~5 us per prep while each
@@ -167,9 +187,9 @@ __device__ __forceinline__ void add_squares4(float& acc, uint2 v) {
 // transformed, one L2 round trip per batch instead of one per chunk.
 template <bool OPEN = false>
 __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r_first, int r_last, int n) {
-    constexpr int kWarps = 8;  // prep and product blocks are 256 threads
+    constexpr int kWarps = kPrepWarps;
     __shared__ float part[kWarps][kWarps];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     float ss[kWarps];
 #pragma unroll
     for (int lr = 0; lr < kWarps; ++lr) {
@@ -203,20 +223,8 @@ __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r
             }
         }
     }
-#pragma unroll
-    for (int lr = 0; lr < kWarps; ++lr) {
-        if (r_first + lr <= r_last) {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
-            if (lane == 0) part[warp][lr] = ss[lr];
-        }
-    }
-    __syncthreads();
-    const int lr = min(max(r - r_first, 0), kWarps - 1);
-    float t = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) t += part[w][lr];
-    return rsqrtf(t / n + in.eps);
+    publish_row_sums(ss, part, r_first, r_last);
+    return published_row_inv(part, min(max(r - r_first, 0), kWarps - 1), n, in.eps);
 }
 
 // Both statistics of a double-normed row (PreNorm) for block_row_inv's block layout and
@@ -225,26 +233,8 @@ __device__ __forceinline__ float block_row_inv(const PrepInput& in, int r, int r
 // statistic, so the block reduces twice; it reads the row again, from L1.
 __device__ __forceinline__ float2 block_row_inv2(const PrepInput& in, const PreNorm& pre, int r, int r_first, int r_last,
                                                 int n) {
-    constexpr int kWarps = 8;  // prep blocks are 256 threads
+    constexpr int kWarps = kPrepWarps;
     __shared__ float part[2][kWarps][kWarps];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    auto reduce = [&](float(&ss)[kWarps], int pass) {
-#pragma unroll
-        for (int lr = 0; lr < kWarps; ++lr) {
-            if (r_first + lr <= r_last) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
-                if (lane == 0) part[pass][warp][lr] = ss[lr];
-            }
-        }
-        __syncthreads();
-    };
-    auto row_inv = [&](int pass, int lr, float eps) {
-        float t = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) t += part[pass][w][lr];
-        return rsqrtf(t / n + eps);
-    };
     float ss[kWarps], pre_inv[kWarps];
 #pragma unroll
     for (int lr = 0; lr < kWarps; ++lr) {
@@ -256,10 +246,10 @@ __device__ __forceinline__ float2 block_row_inv2(const PrepInput& in, const PreN
                 add_squares4(ss[lr], *reinterpret_cast<const uint2*>(row + c));
         }
     }
-    reduce(ss, 0);
+    publish_row_sums(ss, part[0], r_first, r_last);
 #pragma unroll
     for (int lr = 0; lr < kWarps; ++lr) {
-        pre_inv[lr] = r_first + lr <= r_last ? row_inv(0, lr, pre.eps) : 0.f;
+        pre_inv[lr] = r_first + lr <= r_last ? published_row_inv(part[0], lr, n, pre.eps) : 0.f;
         ss[lr] = 0.f;
         if (r_first + lr <= r_last) {
 #pragma unroll 4
@@ -267,9 +257,9 @@ __device__ __forceinline__ float2 block_row_inv2(const PrepInput& in, const PreN
                 add_squares4(ss[lr], pre_normed_sum(in, pre, r_first + lr, c, pre_inv[lr]));
         }
     }
-    reduce(ss, 1);
+    publish_row_sums(ss, part[1], r_first, r_last);
     const int lr = min(max(r - r_first, 0), kWarps - 1);
-    return make_float2(row_inv(0, lr, pre.eps), row_inv(1, lr, in.eps));
+    return make_float2(published_row_inv(part[0], lr, n, pre.eps), published_row_inv(part[1], lr, n, in.eps));
 }
 
 // The weights a prep lane needs (its 4 input signs and norm weights). Read before

@@ -33,17 +33,22 @@ struct OpenSums {
     const half* bias = nullptr;  // optional
 };
 
-// A normed product input, rms_norm(x (+ residual)) * w over the whole row (see prep_frag).
-// pre_w != nullptr: x is first normed on its own, rms_norm(x) * pre_w (eps pre_eps), and that goes
-// into the residual add: Gemma's post-attention / post-feedforward norm, then the next pre-norm,
-// in one prep instead of a norm kernel and a prep (version 3 prep_frag only, with a residual).
+// A norm before a normed input's residual add: x becomes rms_norm(x) * w (eps) first. Gemma's
+// post-attention / post-feedforward norm, then the next pre-norm, in one prep instead of a norm
+// kernel and a prep (version 3 prep_frag only, with a residual). w == nullptr: none.
+struct PreNorm {
+    const half* w = nullptr;
+    float eps = 0.f;
+};
+
+// A normed product input, rms_norm(x (+ residual)) * w over the whole row (see prep_frag), after
+// `pre` where that has a weight.
 struct PrepNorm {
     const half* w = nullptr;
     const half* residual = nullptr;
     half* residual_out = nullptr;
     float eps = 0.f;
-    const half* pre_w = nullptr;
-    float pre_eps = 0.f;
+    PreNorm pre;
 };
 
 // Decode chain (version 3, m = 1): the warp that finishes a 128-column block of this product's
@@ -143,7 +148,7 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // gated_act rounds it: a gated MLP's down projection without the separate activation launch.
 // norm.w != nullptr: the input is rms_norm(x (+ norm.residual)) * norm.w over the whole row of
 // `in` values (x and residual row-major with stride ldx); x + residual goes to norm.residual_out.
-// norm.pre_w != nullptr: x is rms_norm(x) * norm.pre_w first (PrepNorm), both row statistics the
+// norm.pre.w != nullptr: x is rms_norm(x) * norm.pre.w first (PreNorm), both row statistics the
 // block's; needs norm.w and norm.residual, and neither up nor open sums.
 // xo.z / uo.z != nullptr: x / up is the open output of the product before (OpenSums) and x / up
 // is not read; the residual then has row stride `in`.
@@ -360,6 +365,9 @@ int decode_attention_splits(int batch, int kv_heads, int groups, int slots, int 
 // least set_attn_mma_slots() slots (default 1: all; 0 never), and a GPU that fits two stages or
 // more in a block's shared memory.
 int decode_attention_mma_stages(const DecodeAttnArgs& a);
+// Whether the kernel that serves a call can write a chain output into o_proj (DecodeAttnArgs::
+// next_xb): head dim 128, or 256 on the tensor-core walk.
+bool decode_attention_chains(const DecodeAttnArgs& a);
 // Keys per step of the walk that serves a call: 16, 8 at head dim 256, 0 for the scalar walk.
 int decode_attention_mma_keys(const DecodeAttnArgs& a);
 void set_attn_mma_slots(int slots);
