@@ -300,7 +300,7 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         scores = torch.matmul(qg[:, :, :, t0:t1], keys_t)  # [B, Hkv, groups, t, S]
-        if mask.dim() == 2 and ops.capped_softmax_(scores, softcap, mask, t0):
+        if ops.capped_softmax_(scores, softcap, mask, t0):  # a 2-d bool mask, where the kernel serves
             probs = scores  # the four passes below in one kernel (ops.CAPPED_SOFTMAX)
         else:
             scores.tanh_().mul_(softcap)

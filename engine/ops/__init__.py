@@ -478,11 +478,10 @@ def _member_inputs(x: "torch.Tensor | PendingNorm", g: EXL3Group) -> list[torch.
     """Each member's transformed prefill input had128(x * suh_i), [rows, in]. A pending norm is
     computed in the same pass (norm_had128: the norm's statistics, then one read of the row for
     every member), and its residual stream recorded; the bits are those of the norm's kernel and
-    then one transform per member, which TRELLIS_NORM_HAD=0 runs (bench.prefill's cuda-normsep)."""
+    then one transform per member, which TRELLIS_NORM_HAD=0 runs (bench.prefill's cuda-normsep).
+    Both callers settle a norm over a norm first (settle_pre), so only its outer norm is here."""
     in_f = g.trellis.shape[0] * 16
     ext = extension()
-    if isinstance(x, PendingNorm):
-        x.settle_pre()
     if isinstance(x, PendingNorm) and NORM_HAD and x.fusable(in_f) and not isinstance(x.x, OpenSums):
         res = None if x.residual is None else x.residual.reshape(-1, in_f)
         outs = ext.norm_had128(x.x.reshape(-1, in_f), x.weight, x.eps, res, g.suh)
