@@ -26,23 +26,6 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return 1.f - __fdividef(2.f, 1.f + exp2f(2.f * kCsLog2e * x));
 }
 
-// v over the block (all threads call it: barriers); op 0 max, 1 sum.
-__device__ __forceinline__ float cs_block_reduce(float v, int op, float* scratch) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = op == 0 ? fmaxf(v, w) : v + w;
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();  // scratch is reused between calls
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = scratch[0];
-#pragma unroll
-    for (int w = 1; w < kCsThreads / 32; ++w) v = op == 0 ? fmaxf(v, scratch[w]) : v + scratch[w];
-    return v;
-}
-
 // One block per row of S scores, in place: p = softmax(mask(fp16(fp16(tanh(s)) * softcap))).
 // The scores are [..., q_rows, S]: row r is the chunk's query r % q_rows, whose mask row is q0 +
 // that (mask_ld 0: one mask row for every query; no mask: every key allowed). The transformed
@@ -63,14 +46,15 @@ __global__ void capped_softmax_kernel(half* __restrict__ scores, int S, float so
         cs_row[i] = v;
         mx = fmaxf(mx, v);
     }
-    mx = cs_block_reduce(mx, 0, scratch);
+    mx = block_reduce(mx, scratch, [](float a, float b) { return fmaxf(a, b); }, -INFINITY);
     float sum = 0.f;
     for (int i = threadIdx.x; i < S; i += kCsThreads) {
         const float e = exp2f((cs_row[i] - mx) * kCsLog2e);
         cs_row[i] = e;
         sum += e;
     }
-    const float inv = 1.f / cs_block_reduce(sum, 1, scratch);
+    __syncthreads();  // every thread has read the max from scratch
+    const float inv = 1.f / block_reduce(sum, scratch, [](float a, float b) { return a + b; }, 0.f);
     for (int i = threadIdx.x; i < S; i += kCsThreads) row[i] = __float2half_rn(cs_row[i] * inv);
 }
 

@@ -740,19 +740,6 @@ cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_o
 // ---------------------------------------------------------------------------------------------
 // RMSNorm (+ residual add). One block per row.
 
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int nw = blockDim.x >> 5;
-    v = lane < nw ? scratch[lane] : 0.f;
-#pragma unroll
-    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-    return v;
-}
-
 // The row's x + residual (stored to residual_out where given) and 1 / rms. rms_norm_kernel and
 // rms_inv_kernel both take it from here, one block per row of the same size, so norm_had128's
 // rows are scaled by the same inv, to the bit, as rms_norm's.
@@ -768,7 +755,7 @@ __device__ __forceinline__ float row_rms_inv(const half2* x2, const half2* r2, h
         }
         ss += pair_square_sum(__half22float2(v));
     }
-    return rsqrtf(block_sum(ss, scratch) / n + eps);
+    return rsqrtf(block_reduce(ss, scratch, [](float a, float b) { return a + b; }, 0.f) / n + eps);
 }
 
 __global__ void rms_norm_kernel(const half* __restrict__ x, const half* __restrict__ residual,

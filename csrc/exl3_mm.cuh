@@ -238,6 +238,24 @@ inline bool glue_pdl() {
     return pdl_flag() && current_device_attr<cudaDevAttrComputeCapabilityMajor>() >= 9;
 }
 
+// v combined over the whole block by op (identity: its neutral value), through scratch (a float
+// per warp): a butterfly in each warp, then one over the warps' results. Every thread calls it (a
+// barrier) and gets the result; a second call on the same scratch needs a barrier before it.
+// RMSNorm's row sum, the capped softmax's row max and sum.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float* scratch, Op op, float identity) {
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, s));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int nw = blockDim.x >> 5;
+    v = lane < nw ? scratch[lane] : identity;
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, s));
+    return v;
+}
+
 // The fences around a completion count (the product's output stage, decode attention's merge):
 // release before a block's count, acquire after the last one is seen. An acq_rel fence
 // (MEMBAR.ALL.GPU) orders exactly that; __threadfence is a sequentially consistent one
