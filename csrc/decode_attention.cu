@@ -258,28 +258,27 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
 #pragma unroll
         for (int i = 0; i < DL / 2; ++i) h[i] = __floats2half2_rn(acc[2 * i] * inv, acc[2 * i + 1] * inv);
         *reinterpret_cast<typename HalfRow<DL>::T*>(a.out + at) = raw;
-        if constexpr (DL == 4) {
-            if (a.next_xb) {  // o_proj's input chunk `head` from these bits, as its prep would
-                const int head = kvh * a.G + g0 + g;
-                half2 x0, x1;
-                lane_xh(raw, next_s[0], lane, x0, x1);
-                const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
-                store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, head, a.Hkv * a.G, 1, lane, f);
-            }
-        } else if constexpr (kChains) {
-            if (a.next_xb) {  // o_proj's input chunks 2 head and 2 head + 1, as its prep would
-                // Lane L of chunk c takes the head's values c 128 + 4 L .. + 3: the low or high
-                // half (L odd) of lane c 16 + L / 2's eight.
+        if constexpr (kChains) {
+            if (a.next_xb) {  // o_proj's input chunks of head `head` from these bits, as its prep would
                 const int head = kvh * a.G + g0 + g;
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int src = c * 16 + (lane >> 1);
-                    const uint2 lo = make_uint2(__shfl_sync(0xffffffffu, raw.x, src), __shfl_sync(0xffffffffu, raw.y, src));
-                    const uint2 hi = make_uint2(__shfl_sync(0xffffffffu, raw.z, src), __shfl_sync(0xffffffffu, raw.w, src));
+                for (int c = 0; c < kChunks; ++c) {
+                    // Lane L of chunk c takes the head's values c 128 + 4 L .. + 3: its own at head dim
+                    // 128; at 256 the low or high half (L odd) of lane c 16 + L / 2's eight.
+                    uint2 mine;
+                    if constexpr (DL == 4) {
+                        mine = raw;
+                    } else {
+                        const int src = c * 16 + (lane >> 1);
+                        const uint2 lo = make_uint2(__shfl_sync(0xffffffffu, raw.x, src), __shfl_sync(0xffffffffu, raw.y, src));
+                        const uint2 hi = make_uint2(__shfl_sync(0xffffffffu, raw.z, src), __shfl_sync(0xffffffffu, raw.w, src));
+                        mine = lane & 1 ? hi : lo;
+                    }
                     half2 x0, x1;
-                    lane_xh(lane & 1 ? hi : lo, next_s[c], lane, x0, x1);
+                    lane_xh(mine, next_s[c], lane, x0, x1);
                     const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
-                    store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, 2 * head + c, 2 * a.Hkv * a.G, 1, lane, f);
+                    store_i8_chunk(a.next_xb, a.next_scales, a.next_csum, 0, kChunks * head + c, kChunks * a.Hkv * a.G, 1,
+                                   lane, f);
                 }
             }
         }
