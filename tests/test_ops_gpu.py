@@ -556,30 +556,29 @@ def test_windowed_step_walks_only_its_window(D, H, Hk, mma256, cap, span, pos, w
     allowed = (slots <= pos) & (slots > pos - window)
     mask = torch.where(allowed, 0.0, float("-inf")).half()[None, :]
     base = [torch.randn(1, Hk, span, D, generator=g, device=DEV).half() for _ in range(2)]
+
+    def step(caches):  # the step's RoPE, cache write and attention over these caches (written in place)
+        q, k, v = qkv.clone().split([H * D, Hk * D, Hk * D], dim=-1)
+        rope = ops.PendingRope(q.view(1, 1, H, D).transpose(1, 2), caches[0], caches[1], k.view(1, 1, Hk, D),
+                               v.view(1, 1, Hk, D), cos, sin, position, None, window)
+        assert rope.serves(mask)
+        return ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap)
+
     outs, caches = {}, {}
     for on in (True, False):
         monkeypatch.setattr(ops, "ATTN_WINDOW", on)
-        q, k, v = qkv.clone().split([H * D, Hk * D, Hk * D], dim=-1)
-        c = [t.clone() for t in base]
-        rope = ops.PendingRope(q.view(1, 1, H, D).transpose(1, 2), c[0], c[1], k.view(1, 1, Hk, D),
-                               v.view(1, 1, Hk, D), cos, sin, position, None, window)
-        assert rope.serves(mask)
-        outs[on] = ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap)
-        caches[on] = c
+        caches[on] = [t.clone() for t in base]
+        outs[on] = step(caches[on])
     assert torch.equal(caches[True][0], caches[False][0]) and torch.equal(caches[True][1], caches[False][1])
     assert rel_rms(outs[True], outs[False]) < 1e-3
     lo = max(0, pos - window + 1)
     outside = torch.ones(span, dtype=torch.bool, device=DEV)
     outside[lo:min(span, lo + window)] = False
     monkeypatch.setattr(ops, "ATTN_WINDOW", True)
-    q, k, v = qkv.clone().split([H * D, Hk * D, Hk * D], dim=-1)
-    c = [t.clone() for t in base]
-    for t in c:
+    poisoned = [t.clone() for t in base]
+    for t in poisoned:
         t[:, :, outside] = float("nan")
-    rope = ops.PendingRope(q.view(1, 1, H, D).transpose(1, 2), c[0], c[1], k.view(1, 1, Hk, D),
-                           v.view(1, 1, Hk, D), cos, sin, position, None, window)
-    assert torch.equal(ops.decode_attention(rope.q, rope.keys, rope.values, mask, D ** -0.5, rope=rope, softcap=cap),
-                       outs[True])
+    assert torch.equal(step(poisoned), outs[True])
 
 
 def test_pending_rope_declines_what_the_kernel_cannot_take(monkeypatch):
