@@ -80,3 +80,20 @@ def replayed_logits(model, ids: torch.Tensor, prompt: int = 30, max_len: int = 6
     logits = decode_logits(model, decoder.new_cache(ids.shape[0], max_len), ids, prompt=prompt, step=decoder.step)
     assert decoder.disabled is None, decoder.disabled
     return logits
+
+
+def static_steps(model, ids: torch.Tensor, prompt: int, max_len: int = 64) -> list[torch.Tensor]:
+    """Logits of a prefill of ids[:, :prompt] and then eager one-token steps over a StaticKVCache
+    (the graphs' cache, so the steps take the decode kernels' paths)."""
+    from tests.test_static_cache import decode_logits
+
+    return decode_logits(model, model.new_static_cache(ids.shape[0], max_len, min_span=16), ids, prompt=prompt)
+
+
+def step_kernel_names(model, ids: torch.Tensor, prompt: int, max_len: int = 64) -> list[str]:
+    """The kernels one eager decode step launches over a StaticKVCache, after a prefill of
+    ids[:, :prompt]: the step takes token ids[:, prompt]."""
+    cache = model.new_static_cache(ids.shape[0], max_len, min_span=16)
+    with torch.inference_mode():
+        model(ids[:, :prompt], cache)
+        return kernel_names(lambda: model(ids[:, prompt:prompt + 1], cache))

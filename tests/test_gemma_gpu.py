@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from engine.models import load_model  # noqa: E402
-from tests.gpu_layers import kernel_names, same_top  # noqa: E402
+from tests.gpu_layers import kernel_names, same_top, static_steps, step_kernel_names  # noqa: E402
 from tests.test_static_cache import decode_logits, tiny_model  # noqa: E402
 
 
@@ -102,11 +102,8 @@ def test_exl3_gemma_post_norms_ride_in_the_next_prep(tmp_path, name, monkeypatch
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", on)
-        logits[on] = decode_logits(model, model.new_static_cache(1, 64, min_span=16), ids, prompt=20)
-        cache = model.new_static_cache(1, 64, min_span=16)
-        with torch.inference_mode():
-            model(ids[:, :20], cache)
-            names = kernel_names(lambda: model(ids[:, 20:21], cache))
+        logits[on] = static_steps(model, ids, prompt=20)
+        names = step_kernel_names(model, ids, prompt=20)
         norms = sum("rms_norm_kernel" in n for n in names)
         doubled = sum("prep_frag_kernel<false, true>" in n for n in names)
         if on:

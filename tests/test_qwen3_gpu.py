@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.models import load_model  # noqa: E402
-from tests.gpu_layers import kernel_names, replayed_logits, same_top  # noqa: E402
+from tests.gpu_layers import replayed_logits, same_top, static_steps, step_kernel_names  # noqa: E402
 from tests.test_static_cache import decode_logits  # noqa: E402
 
 
@@ -36,11 +36,6 @@ def qwen3_path(tmp_path_factory):
     return path
 
 
-def _steps(model, ids: torch.Tensor, prompt: int) -> list[torch.Tensor]:
-    """Logits of a prefill and then eager one-token steps over a StaticKVCache (the graphs' cache)."""
-    return decode_logits(model, model.new_static_cache(1, 64, min_span=16), ids, prompt=prompt)
-
-
 def test_qwen3_head_norms_run_in_the_attention_kernel_with_the_same_bits(qwen3_path, monkeypatch):
     """With ops.ATTN_HEAD_NORMS, a step's q and k norms launch no kernel of their own (the final
     norm is the step's only rms_norm), and the logits of every step equal, bit for bit, those with
@@ -48,21 +43,15 @@ def test_qwen3_head_norms_run_in_the_attention_kernel_with_the_same_bits(qwen3_p
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
     model = load_model(qwen3_path, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(3)).cuda()
-    fused = _steps(model, ids, prompt=20)
+    fused = static_steps(model, ids, prompt=20)
 
-    cache = model.new_static_cache(1, 64, min_span=16)
-    with torch.inference_mode():
-        model(ids[:, :20], cache)
-        names = kernel_names(lambda: model(ids[:, 20:21], cache))
+    names = step_kernel_names(model, ids, prompt=20)
     assert sum("rms_norm_kernel" in n for n in names) == 1
     assert sum("decode_attention" in n for n in names) == len(model.layers)
 
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", False)
-    apart = _steps(model, ids, prompt=20)
-    cache = model.new_static_cache(1, 64, min_span=16)
-    with torch.inference_mode():
-        model(ids[:, :20], cache)
-        names = kernel_names(lambda: model(ids[:, 20:21], cache))
+    apart = static_steps(model, ids, prompt=20)
+    names = step_kernel_names(model, ids, prompt=20)
     assert sum("rms_norm_kernel" in n for n in names) == 2 * len(model.layers) + 1
     assert len(fused) == len(apart) == 7
     for a, b in zip(fused[1:], apart[1:]):
