@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU checks for work that landed without a GPU run (sessions 21 and 22 had no device), in two or
+# GPU checks for work that landed without a GPU run (sessions 21-23 had no device), in two or
 # three device calls, each with .devcarry/shared carried (see gpu_session.sh):
 #   bash bench/check_unrun.sh 1   the build, the whole GPU suite (which forces every feature below
 #                                 on where it tests it), Qwen3 decode, attention alone at head dim 256;
@@ -11,7 +11,9 @@
 # - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off; session 22);
 # - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256);
 # - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, off; session 22);
-# - sliding-window layers' decode walking only their window (ops.ATTN_WINDOW, off; session 22).
+# - sliding-window layers' decode walking only their window (ops.ATTN_WINDOW, off; session 22);
+# - the products' compact ring for GPUs with less shared memory (ops.GV_COMPACT; session 23): part
+#   1's suite forces it on the H200 (tests/test_gemv_compact_gpu.py), part 3 times it.
 # Turn a default on only if its tests pass and it measures faster. About 5-8 minutes a part.
 part=${1:-1}
 [ "$part" != 1 ] && export SKIP_GPU_TESTS=1
@@ -45,7 +47,15 @@ timeout 150 python3 -m bench.decode --model-dir /tmp/g9b --contexts 7680 --token
 echo "== gemma 2 prefill: capped probabilities in one kernel / four passes $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 150 python3 -m bench.prefill --model-dir /tmp/g9b --lengths 4096 8192 --modes last_logits --paths cuda-cappedsoftmax \
   cuda-nocappedsoftmax cuda-cappedsoftmax cuda-nocappedsoftmax 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
-else  # part 3, if device time is left: Gemma 3 (q/k norms, head dim 256, post-norms, its 1,024-slot window) all on / all off
+else  # part 3, if device time is left: the compact ring's cost on the H200; Gemma 3 all on / all off
+# The products on the compact ring (what an RTX or A100 runs, TRELLIS_GV_COMPACT=1) against the
+# shipped one (2), one process each, back to back; its correctness is in part 1's GPU suite.
+echo "== products: compact ring / shipped ring $(( $(date +%s)-t0 ))s" | tee -a $L
+for c in 1 2; do
+  TRELLIS_GV_COMPACT=$c timeout 90 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 8 \
+    --paths fused --shapes 8192x28672 4096x4096 --m 1 8 32 2>&1 | python3 -c "$SUM" | sed "s/^/compact=$c /" | tee -a $L
+done
+# Gemma 3 (q/k norms, head dim 256, post-norms, its 1,024-slot window) all on / all off
 timeout 120 python3 -m bench.synth --shape gemma3-12b --bits 4 --out /tmp/g12b --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== gemma 3 decode: all / none $(( $(date +%s)-t0 ))s" | tee -a $L
 timeout 300 python3 -m bench.decode --model-dir /tmp/g12b --contexts 0 4096 16384 --tokens 96 --paths \

@@ -833,6 +833,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
+    m.def("set_gemv_compact", &trellis::set_gemv_compact,
+          "products on a ring that fits two blocks in 100 KB per SM: 0 where the shipped block cannot launch (default), 1 always, 2 never, 3 where two shipped blocks do not fit on an SM");
+    m.def("gemv_plan",
+          [](int64_t K, bool int8, int64_t rows, bool self_prep, bool chain, int64_t in, int64_t out, int64_t num_sms,
+             int64_t per_block, int64_t per_sm, int64_t reserved) {
+              int cfg = 0, smem = 0;
+              const int blocks = trellis::gemv_plan((int)K, int8, (int)rows, self_prep, chain, (int)in, (int)out, (int)num_sms,
+                                                 (int)per_block, (int)per_sm, (int)reserved, cfg, smem);
+              return std::make_tuple(cfg, smem, blocks);
+          },
+          "(CFG, shared memory bytes, blocks per SM) of a version-3 product on this GPU (per_block 0) or one with these limits",
+          py::arg("K"), py::arg("int8"), py::arg("rows"), py::arg("self_prep"), py::arg("chain"), py::arg("in_features"),
+          py::arg("out_features"), py::arg("num_sms"), py::arg("per_block") = 0, py::arg("per_sm") = 0,
+          py::arg("reserved") = 0);
     m.def("set_gemv_finish_rows", &trellis::set_gemv_finish_rows,
           "workspace rows a finishing warp reads per round trip: 8 (default) or 1 (row by row, a baseline)");
     m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");

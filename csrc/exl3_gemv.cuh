@@ -28,44 +28,12 @@
 #include <type_traits>
 
 #include "exl3_decode.cuh"
+#include "exl3_gemv_geom.cuh"
 #include "exl3_mm.cuh"  // kMul1Inv, kMul1C0, kMul1Bias (MUL1 value = kMul1Inv * byte sum + kMul1C0)
 #include "exl3_prep.cuh"
 #include "kernels.h"
 
 namespace trellis {
-
-constexpr int kGvWarps = 8;
-
-// Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
-// blocks fit on an SM and ~150 KB of trellis is in flight per SM.
-template <int K>
-__host__ __device__ constexpr int gv_stages() {
-    return K <= 4 ? 8 : 5;
-}
-
-// Configurations (CFG, a template argument). A configuration trades the tiles per unit (CT), the
-// ring depth (NS) and the k rows per unit (kr) for resident blocks per SM (MINB, which also caps
-// the registers at 65536 / (256 MINB)). Shipped: 0 (8 tiles, one k row, 2 blocks), 9 (two k
-// rows) for large layers, 10 (four k rows, two stages) for the largest on the integer path. For
-// K = 4 the debug variant 10 + CFG (bench.linear --variants,
-// TRELLIS_GV_VARIANT) selects one, to measure what a GPU prefers: on the H200 more blocks per SM
-// never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5).
-struct GvTune {
-    int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
-};
-__host__ __device__ constexpr GvTune gv_tune(int cfg) {
-    return cfg == 1   ? GvTune{4, 5, 3}
-           : cfg == 2 ? GvTune{8, 5, 3}
-           : cfg == 3 ? GvTune{4, 4, 4}
-           : cfg == 4 ? GvTune{4, 8, 2}
-           : cfg == 5 ? GvTune{2, 6, 3}
-           : cfg == 6 ? GvTune{4, 7, 3}
-           : cfg == 7 ? GvTune{8, 6, 3}
-           : cfg == 8 ? GvTune{8, 4, 2, 2}
-           : cfg == 9 ? GvTune{8, 3, 2, 2}
-           : cfg == 10 ? GvTune{8, 2, 2, 4}
-                      : GvTune{0, 0, 2};
-}
 
 __device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
@@ -119,39 +87,6 @@ __device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa
     } else {
         lane_states<K>(smem[tile + wa], smem[tile + wb], smem[tile + wc], shift, st);
     }
-}
-
-enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
-
-// Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x
-// rows of 2 passes each; F16: 8 rows each), words of activations per lane per group per k row.
-template <int PATH, int NG, int CFG = 0>
-struct GvShape {
-    static constexpr int CT = gv_tune(CFG).ct ? gv_tune(CFG).ct
-                              : PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
-    static constexpr int BW = PATH == GV_I8 ? 4 : 2;  // words per lane per group
-    static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
-    static constexpr int MINB = gv_tune(CFG).minb;
-    static constexpr int KR = gv_tune(CFG).kr;
-    template <int K>
-    static constexpr int stages() { return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>(); }
-};
-
-// Words of one k row in a stage (its tiles, then its activations unless the product preps its
-// own input, SP); a stage holds KR of them.
-template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
-__host__ __device__ constexpr int gv_row_words() {
-    return GvShape<PATH, NG, CFG>::CT * 8 * K + (SP ? 0 : NG * 32 * GvShape<PATH, NG, CFG>::BW);
-}
-template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
-__host__ __device__ constexpr int gv_stage_words() {
-    return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG, SP>();
-}
-// Shared memory of a block: the warps' rings, then (SP) their chunk slots.
-template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
-__host__ __device__ constexpr int gv_smem_words() {
-    return kGvWarps * (GvShape<PATH, NG, CFG>::template stages<K>() * gv_stage_words<K, PATH, NG, CFG, SP>() +
-                       (SP ? kSpSlots * kSpSlotWords : 0));
 }
 
 // Self prep (SP, decode at m = 1 on the integer path): the warp's lane preps its 4 values of one
@@ -382,7 +317,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
-    constexpr int NS = S::template stages<K>();
+    constexpr int NS = gv_ring_stages<K, PATH, NG, CFG, SP>();
     constexpr int SW = gv_stage_words<K, PATH, NG, CFG, SP>();
     constexpr int KR = S::KR;
     constexpr int RW = gv_row_words<K, PATH, NG, CFG, SP>();
@@ -873,16 +808,20 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // one_row: debug variant 10, one k row everywhere.
 // The largest take four (CFG 10, gv_four_rows: 2-4% faster on the integer path at 1..4 rows,
 // 3-7% on the fp16 path at 5..8; plain products only: no self prep, chain output or timing probe).
+// Where shared memory is short, the compact configuration (gv_pick, exl3_gemv_geom.cuh).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
+    const GvPick pick = gv_pick<K, PATH, NG, SP, CH, VAR>(a.in, a.out, a.num_sms, one_row, device_smem_limits());
     if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR == 7)) {
-        if (!one_row && gv_four_rows(a.in, a.out, K, a.num_sms))
-            return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
+        if (pick.cfg == 10) return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
-        if (!one_row && gv_two_rows(a.in, a.out, K, a.num_sms))
-            return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
+        if (pick.cfg == 9) return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
     }
+    if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
+        if (pick.cfg == kGvCompact) return launch_gemv_var<K, CB, PATH, NG, VAR, kGvCompact, SP, CH>(a, stream);
+    }
+    if (pick.blocks_per_sm == 0) return cudaErrorInvalidConfiguration;  // more than a block may have here
     return launch_gemv_var<K, CB, PATH, NG, VAR, 0, SP, CH>(a, stream);
 }
 

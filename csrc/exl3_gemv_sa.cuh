@@ -198,11 +198,17 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 }
 
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
-// block may opt into 99 KB on sm_86/89, 227 KB on sm_90; 0: too little for the kernel to pay).
+// block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
+// With the compact setting kGvCompactTwoBlocks, what fits in half an SM, since the grid is sized
+// for two blocks per SM (an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90 KS fits).
 template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
-    const int fit = (current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() / 4 - S::RING_WORDS) / S::BROW;
+    const SmemLimits lim = device_smem_limits();
+    const int half_sm = lim.per_sm / 2 - lim.reserved;
+    const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && half_sm < lim.per_block;
+    const int budget = two ? half_sm : lim.per_block;
+    const int fit = (budget / 4 - S::RING_WORDS) / S::BROW;
     const int ks = fit < S::KS ? fit : S::KS;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
 }

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "exl3_decode.cuh"
+#include "exl3_gemv_geom.cuh"
 #include "exl3_mm.cuh"
 #include "exl3_prep.cuh"
 #include "kernels.h"
@@ -193,21 +194,63 @@ bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 
-// The most units a warp of a one-group version-3 product takes (the shipped configurations: 8
-// tiles per unit, 2 blocks per SM), and the k rows per unit, kr.
-static long gv_most_units(const MmArgs& a, int& kr) {
-    kr = gv_two_rows(a.in, a.out, a.K, a.num_sms) ? 2 : 1;
+// gv_pick for a K, path and group count known only at run time (the host's checks below, and the
+// binding that shows the tests what a product would take on another GPU).
+template <int K>
+static GvPick gemv_pick_k(int path, int ng, bool sp, bool ch, int in, int out, int num_sms, const SmemLimits& lim) {
+    if (path == GV_I8) {
+        if (ng == 2) return gv_pick<K, GV_I8, 2, false>(in, out, num_sms, false, lim);
+        if (sp) return gv_pick<K, GV_I8, 1, true>(in, out, num_sms, false, lim);
+        if (ch) return gv_pick<K, GV_I8, 1, false, true>(in, out, num_sms, false, lim);
+        return gv_pick<K, GV_I8, 1, false>(in, out, num_sms, false, lim);
+    }
+    if (ng == 4) return gv_pick<K, GV_F16, 4, false>(in, out, num_sms, false, lim);
+    if (ng == 2) return gv_pick<K, GV_F16, 2, false>(in, out, num_sms, false, lim);
+    return gv_pick<K, GV_F16, 1, false>(in, out, num_sms, false, lim);
+}
+GvPick gemv_pick(int K, int path, int ng, bool sp, bool ch, int in, int out, int num_sms, const SmemLimits& lim) {
+    switch (K) {
+        case 1: return gemv_pick_k<1>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 2: return gemv_pick_k<2>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 3: return gemv_pick_k<3>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 4: return gemv_pick_k<4>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 5: return gemv_pick_k<5>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 6: return gemv_pick_k<6>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 7: return gemv_pick_k<7>(path, ng, sp, ch, in, out, num_sms, lim);
+        case 8: return gemv_pick_k<8>(path, ng, sp, ch, in, out, num_sms, lim);
+        default: return {0, 0, 0};
+    }
+}
+int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
+               int per_sm, int reserved, int& cfg, int& smem_bytes) {
+    const SmemLimits lim = per_block > 0 ? SmemLimits{per_block, per_sm, reserved} : device_smem_limits();
+    const GvPick p = gemv_pick(K, int8 ? GV_I8 : GV_F16, gemv_groups(rows, int8), int8 && self_prep, int8 && chain,
+                               in, out, num_sms, lim);
+    cfg = p.cfg;
+    smem_bytes = p.smem_bytes;
+    return p.blocks_per_sm;
+}
+static GvPick gv_pick_one_row(const MmArgs& a, bool sp) {
+    return gemv_pick(a.K, GV_I8, 1, sp, !sp, a.in, a.out, a.num_sms, device_smem_limits());
+}
+
+// The most units a warp of a one-group version-3 product takes in configuration `cfg` (8 tiles
+// per unit), and the k rows per unit, kr.
+static long gv_most_units(const MmArgs& a, int cfg, int& kr) {
+    kr = gv_tune(cfg).kr;
     const long units = (long)(a.out / 128) * (a.in / 16 / kr);
-    const long warps = gv_blocks(units, 2, a.num_sms) * 8;
+    const long warps = gv_blocks(units, gv_tune(cfg).minb, a.num_sms) * 8;
     return (units + warps - 1) / warps;
 }
 
 bool gemv_chain_fits(const MmArgs& a) {
     if (mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.in % 128 || a.out % 128) return false;
+    const GvPick pick = gv_pick_one_row(a, false);
+    if (pick.blocks_per_sm == 0) return false;
     // The warp with the most units spans at most (units - 1) / rows_kr + 2 column groups (the
     // kernel records up to four finished blocks for their chain output).
     int kr;
-    const long most = gv_most_units(a, kr);
+    const long most = gv_most_units(a, pick.cfg, kr);
     const long rows_kr = a.in / 16 / kr;
     return (most - 1) / rows_kr + 2 <= 4 && a.out / 128 <= 0xffff;
 }
@@ -216,12 +259,17 @@ bool gemv_self_prep(const MmArgs& a) {
     if (!self_prep_flag() || mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.codebook != CB_MUL1 ||
         a.in % 128 || a.out % 128)
         return false;
+    // Where shared memory is short, self prep at K >= 7 has no configuration that fits two blocks
+    // per SM (its chunk slots take 24 KB of a block): the product then takes a prep kernel.
+    const GvPick pick = gv_pick_one_row(a, true);
+    if (pick.blocks_per_sm < 2) return false;
     // The warp with the most units: its k rows (possibly across one column group's end) touch at
     // most (rows - 1) / 8 + 2 chunks (chunks and groups both start at multiples of 8 rows).
     int kr;
-    const long rows = gv_most_units(a, kr) * kr;
+    const long rows = gv_most_units(a, pick.cfg, kr) * kr;
     return (rows - 1) / 8 + 2 <= kSpSlots;
 }
+void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactNeeded; }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }

@@ -223,6 +223,18 @@ void set_gemv_shared_acts(int mode);
 // Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
 // (default), or 1 (row by row, the earlier order; a benchmark baseline).
 void set_gemv_finish_rows(int rows);
+// Where a version-3 product takes a ring smaller than the shipped one (exl3_gemv_geom.cuh): 0
+// (default) only where the shipped block cannot launch (more shared memory than a block may have:
+// K = 8 on the integer path of an RTX 30/40/50 GPU), 1 on every GPU (a test knob), 2 never (as
+// before), 3 wherever two shipped blocks do not fit on an SM (RTX: 100 KB per SM; A100: 164 KB).
+void set_gemv_compact(int mode);
+// The configuration (CFG) a version-3 product of this shape takes on the per-warp kernel (not the
+// block-shared one, exl3_gemv_sa.cuh) and its block's shared memory, on this GPU (per_block 0) or
+// on one with the given limits (what cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor
+// and ReservedSharedMemoryPerBlock say); returns how many of its blocks fit on an SM there (at
+// most 2, what the grid is sized for; 0: it cannot launch).
+int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
+               int per_sm, int reserved, int& cfg, int& smem_bytes);
 // Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:
 // the setting is on, no debug variant is set, m = 1 on the integer path, and every warp's k rows
 // fit its chunk slots.

@@ -69,6 +69,13 @@ OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 # extension when it loads; benchmarks and tests that change it restore this.
 FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 
+# Where a product takes the compact ring, which fits two blocks in an SM of 100 KB (csrc/
+# exl3_gemv_geom.cuh; the shipped rings are sized for the H200's 228 KB): TRELLIS_GV_COMPACT = 0
+# (default) only where the shipped block cannot launch at all, 1 always (a test knob), 2 never, 3
+# wherever two shipped blocks do not fit on an SM (RTX 30/40/50, A100). 3 is meant to become the
+# default once a GPU run has checked the compact kernels (written in session 23, which had none).
+GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "0") or 0)
+
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
 # per Gemma block, two per layer. Off by default until a GPU run has checked it (written in
@@ -147,6 +154,7 @@ def extension():
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
         _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
         _ext.set_gemv_four_row_units(FOUR_ROW_UNITS)
+        _ext.set_gemv_compact(GV_COMPACT)
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends

@@ -1,0 +1,181 @@
+// The fused product's configurations (exl3_gemv.cuh): tiles per unit, ring stages, k rows per
+// unit and blocks per SM, the shared memory each takes, and which one a product takes on the GPU
+// at hand. Apart from the kernels, so that host code deciding a product's path (exl3_misc.cu)
+// reads the same numbers without building them.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "exl3_mm.cuh"  // kSpSlots, kSpSlotWords, gv_two_rows, gv_four_rows
+#include "kernels.h"
+
+namespace trellis {
+
+constexpr int kGvWarps = 8;
+
+// Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
+// blocks fit on an H200 SM and ~150 KB of trellis is in flight per SM. GPUs with less shared
+// memory per SM take the compact configuration instead (gv_pick).
+template <int K>
+__host__ __device__ constexpr int gv_stages() {
+    return K <= 4 ? 8 : 5;
+}
+
+// Configurations (CFG, a template argument). A configuration trades the tiles per unit (CT), the
+// ring depth (NS) and the k rows per unit (kr) for resident blocks per SM (MINB, which also caps
+// the registers at 65536 / (256 MINB)). Shipped: 0 (8 tiles, one k row, 2 blocks), 9 (two k
+// rows) for large layers, 10 (four k rows, two stages) for the largest on the integer path. For
+// K = 4 the debug variant 10 + CFG (bench.linear --variants,
+// TRELLIS_GV_VARIANT) selects one, to measure what a GPU prefers: on the H200 more blocks per SM
+// never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5).
+struct GvTune {
+    int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
+};
+__host__ __device__ constexpr GvTune gv_tune(int cfg) {
+    return cfg == 1   ? GvTune{4, 5, 3}
+           : cfg == 2 ? GvTune{8, 5, 3}
+           : cfg == 3 ? GvTune{4, 4, 4}
+           : cfg == 4 ? GvTune{4, 8, 2}
+           : cfg == 5 ? GvTune{2, 6, 3}
+           : cfg == 6 ? GvTune{4, 7, 3}
+           : cfg == 7 ? GvTune{8, 6, 3}
+           : cfg == 8 ? GvTune{8, 4, 2, 2}
+           : cfg == 9 ? GvTune{8, 3, 2, 2}
+           : cfg == 10 ? GvTune{8, 2, 2, 4}
+                      : GvTune{0, 0, 2};
+}
+
+enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
+
+// Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x
+// rows of 2 passes each; F16: 8 rows each), words of activations per lane per group per k row.
+template <int PATH, int NG, int CFG = 0>
+struct GvShape {
+    static constexpr int CT = gv_tune(CFG).ct ? gv_tune(CFG).ct
+                              : PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
+    static constexpr int BW = PATH == GV_I8 ? 4 : 2;  // words per lane per group
+    static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
+    static constexpr int MINB = gv_tune(CFG).minb;
+    static constexpr int KR = gv_tune(CFG).kr;
+    template <int K>
+    static constexpr int stages() { return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>(); }
+};
+
+// Words of one k row in a stage (its tiles, then its activations unless the product preps its
+// own input, SP); a stage holds KR of them.
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
+__host__ __device__ constexpr int gv_row_words() {
+    return GvShape<PATH, NG, CFG>::CT * 8 * K + (SP ? 0 : NG * 32 * GvShape<PATH, NG, CFG>::BW);
+}
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
+__host__ __device__ constexpr int gv_stage_words() {
+    return GvShape<PATH, NG, CFG>::KR * gv_row_words<K, PATH, NG, CFG, SP>();
+}
+// The compact configuration: CFG 0's units (one k row, CFG 0's tiles) with as many ring stages,
+// at most CFG 0's, as fit a block in kGvCompactBytes beside its chunk slots. Why: the shipped
+// rings are sized for the H200's 228 KB of shared memory per SM. An RTX 30/40/50 SM has 100 KB
+// (99 KB at most per block), an A100 SM 164 KB. There a shipped ring gives one block per SM, and
+// the grid, sized for two, runs in two waves; at K = 8 the integer path's 100 KB block would not
+// launch at all. 48 KB keeps two blocks per SM there, with the 1 KB each that the system
+// reserves. Those GPUs stream 1-2 TB/s, so one or two 2-2.5 KB stages in flight per warp (16
+// warps per SM) still cover their memory latency (an estimate; not measured on such a GPU).
+constexpr int kGvCompact = 12;
+constexpr int kGvCompactBytes = 48 * 1024;
+
+// Ring stages per warp of a configuration.
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
+__host__ __device__ constexpr int gv_ring_stages() {
+    if constexpr (CFG == kGvCompact) {
+        constexpr int shipped = gv_ring_stages<K, PATH, NG, 0, SP>();
+        constexpr int room = kGvCompactBytes / 4 / kGvWarps - (SP ? kSpSlots * kSpSlotWords : 0);
+        constexpr int fit = room / gv_stage_words<K, PATH, NG, CFG, SP>();
+        return fit < shipped ? fit : shipped;
+    } else {
+        return GvShape<PATH, NG, CFG>::template stages<K>();
+    }
+}
+
+// Shared memory of a block: the warps' rings, then (SP) their chunk slots.
+template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
+__host__ __device__ constexpr int gv_smem_words() {
+    return kGvWarps * (gv_ring_stages<K, PATH, NG, CFG, SP>() * gv_stage_words<K, PATH, NG, CFG, SP>() +
+                       (SP ? kSpSlots * kSpSlotWords : 0));
+}
+
+// Whether an instantiation has a compact twin of its own: one that fits two stages, with fewer
+// stages than CFG 0 (where CFG 0 already fits kGvCompactBytes, it is its own compact form).
+template <int K, int PATH, int NG, bool SP>
+__host__ __device__ constexpr bool gv_has_compact() {
+    return gv_ring_stages<K, PATH, NG, kGvCompact, SP>() >= 2 &&
+           gv_ring_stages<K, PATH, NG, kGvCompact, SP>() < gv_ring_stages<K, PATH, NG, 0, SP>();
+}
+
+// A GPU's shared memory: the most a block may opt into, an SM's, and what the system reserves
+// of it per block. Zero where unknown.
+struct SmemLimits {
+    int per_block = 0, per_sm = 0, reserved = 0;
+};
+inline SmemLimits device_smem_limits() {
+    return {current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(),
+            current_device_attr<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(),
+            current_device_attr<cudaDevAttrReservedSharedMemoryPerBlock>()};
+}
+
+// Whether `minb` blocks of `bytes` of dynamic shared memory each fit on one SM (and one fits the
+// per-block limit). Unknown limits: yes, as before this check existed. The kernels' static shared
+// memory (256 bytes with self prep, else none) fits in what the 48 KB budget leaves of 100 KB.
+inline bool gv_fits(long bytes, int minb, const SmemLimits& lim) {
+    if (lim.per_block <= 0 || lim.per_sm <= 0) return true;
+    return bytes <= lim.per_block && minb * (bytes + lim.reserved) <= lim.per_sm;
+}
+
+// When a product takes the compact configuration (set_gemv_compact): kGvCompactNeeded (default)
+// only where the shipped block cannot launch at all (K = 8 on the integer path of an RTX GPU);
+// kGvCompactAlways where an instantiation has one (a test knob: the H200 then runs what an RTX GPU
+// would); kGvCompactNever (the shipped rings everywhere, as before it existed); kGvCompactTwoBlocks
+// wherever the shipped block does not fit twice on an SM (the intended default, once a GPU run
+// has checked the compact kernels: until then GPUs other than the H200 keep the rings they had).
+constexpr int kGvCompactNeeded = 0, kGvCompactAlways = 1, kGvCompactNever = 2, kGvCompactTwoBlocks = 3;
+inline int& gemv_compact() {
+    static int v = kGvCompactNeeded;
+    return v;
+}
+
+// The configuration a product takes, its block's shared memory, and how many of its blocks fit on
+// an SM of a GPU with these limits (0: it cannot launch there). Shipped: four k rows per unit
+// (CFG 10) for the largest one-group layers, two (CFG 9) for large ones, else one (CFG 0), each
+// only where it fits as the setting asks (gemv_compact); then the compact one. Debug variants
+// (VAR != 0) keep the shipped rings. one_row: debug variant 10, CFG 0 everywhere.
+struct GvPick {
+    int cfg;
+    int smem_bytes;
+    int blocks_per_sm;  // at most 2, the blocks per SM the grid is sized for
+};
+template <int K, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
+GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim) {
+    static_assert(SP || gv_has_compact<K, PATH, NG, SP>() || gv_smem_words<K, PATH, NG, 0, SP>() * 4 <= kGvCompactBytes,
+                  "every product without self prep fits two blocks in 100 KB one way or the other");
+    const int mode = VAR == 0 ? gemv_compact() : kGvCompactNever;
+    auto fits = [&](int words) {
+        return mode == kGvCompactNever ||
+               (mode != kGvCompactAlways && gv_fits(4L * words, mode == kGvCompactTwoBlocks ? 2 : 1, lim));
+    };
+    auto pick = [&](int cfg, int words) {
+        const long bytes = 4L * words;
+        return GvPick{cfg, (int)bytes, gv_fits(bytes, 2, lim) ? 2 : gv_fits(bytes, 1, lim) ? 1 : 0};
+    };
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR == 7)) {
+        constexpr int w = gv_smem_words<K, PATH, NG, 10, SP>();
+        if (!one_row && gv_four_rows(in, out, K, num_sms) && fits(w)) return pick(10, w);
+    }
+    if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
+        constexpr int w = gv_smem_words<K, PATH, NG, 9, SP>();
+        if (!one_row && gv_two_rows(in, out, K, num_sms) && fits(w)) return pick(9, w);
+    }
+    constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
+    if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
+        if (!one_row && !fits(w0)) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
+    }
+    return pick(0, w0);
+}
+
+}  // namespace trellis
