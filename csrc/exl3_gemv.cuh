@@ -819,7 +819,8 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
         if (pick.cfg == 9) return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
     }
     if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
-        if (pick.cfg == kGvCompact) return launch_gemv_var<K, CB, PATH, NG, VAR, kGvCompact, SP, CH>(a, stream);
+        if (pick.cfg == kGvCompact)
+            return launch_gemv_var<K, CB, PATH, NG, VAR, kGvCompact, SP, CH>(a, stream);
     }
     if (pick.blocks_per_sm == 0) return cudaErrorInvalidConfiguration;  // more than a block may have here
     return launch_gemv_var<K, CB, PATH, NG, VAR, 0, SP, CH>(a, stream);

@@ -208,7 +208,8 @@ static GvPick gemv_pick_k(int path, int ng, bool sp, bool ch, int in, int out, i
     if (ng == 2) return gv_pick<K, GV_F16, 2, false>(in, out, num_sms, false, lim);
     return gv_pick<K, GV_F16, 1, false>(in, out, num_sms, false, lim);
 }
-GvPick gemv_pick(int K, int path, int ng, bool sp, bool ch, int in, int out, int num_sms, const SmemLimits& lim) {
+static GvPick gemv_pick(int K, int path, int ng, bool sp, bool ch, int in, int out, int num_sms,
+                        const SmemLimits& lim) {
     switch (K) {
         case 1: return gemv_pick_k<1>(path, ng, sp, ch, in, out, num_sms, lim);
         case 2: return gemv_pick_k<2>(path, ng, sp, ch, in, out, num_sms, lim);
