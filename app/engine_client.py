@@ -26,6 +26,14 @@ def default_worker_argv() -> list[str]:
     return [sys.executable, "-m", "engine.worker"]
 
 
+def missing_kernels(model: dict | None) -> str | None:
+    """Why a loaded model on a GPU runs without the CUDA kernels (the engine's one line), or None
+    when it has them or runs on the CPU, where the PyTorch path is the expected one."""
+    if not model or not str(model.get("device", "")).startswith("cuda") or model.get("kernels") != "torch":
+        return None
+    return model.get("kernels_note") or "the CUDA kernels are unavailable"
+
+
 class _Pipe(QObject):
     """Lives in the client's thread: owns the QProcess and turns its lines into messages."""
 

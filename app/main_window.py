@@ -10,7 +10,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QListWidget, QListWi
 
 from app import settings
 from app.chat_session import ChatSession
-from app.engine_client import EngineClient
+from app.engine_client import EngineClient, missing_kernels
 from app.icons import icon
 from app.store import Store
 from app.views.chat_view import ChatPane
@@ -134,10 +134,20 @@ class MainWindow(QMainWindow):
     def _on_model(self, model) -> None:
         if model:
             bits = model.get("bits_per_weight")
-            self.model_label.setText(f"{model.get('name')}" + (f" · {bits:.2f} bpw" if bits else "") +
-                                     f" · {model.get('device', '')}")
+            text = f"{model.get('name')}" + (f" · {bits:.2f} bpw" if bits else "") + f" · {model.get('device', '')}"
+            tip = ""
+            why = missing_kernels(model)
+            if why:
+                # Without its kernels a GPU runs the PyTorch path: many times slower, and with
+                # dense weights. Said where the user looks, with the engine's reason on hover.
+                text += " · without CUDA kernels (slow)"
+                tip = (f"{why}\nThe engine runs the PyTorch path instead: much slower, and its fp16 weights "
+                       "take 16 / bpw times the memory of the EXL3 files.")
+            self.model_label.setText(text)
+            self.model_label.setToolTip(tip)
         else:
             self.model_label.setText("No model loaded")
+            self.model_label.setToolTip("")
 
     def _shortcuts(self) -> None:
         def add(seq, fn, text):

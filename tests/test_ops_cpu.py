@@ -91,6 +91,31 @@ def test_kernels_disabled_without_cuda(monkeypatch):
     assert not ops.kernels_enabled()
 
 
+def test_kernel_status_says_once_why_a_gpu_runs_the_pytorch_path(monkeypatch, capsys):
+    """A GPU whose kernels cannot be built (here: no nvcc) runs the PyTorch path; the status says
+    why in one line, and stderr says so once, not at every call."""
+    assert ops.kernel_status("cpu") == ops.KernelStatus("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "_ext", None)
+    monkeypatch.setattr(ops, "_ext_error", None)
+    builds = []
+
+    def no_nvcc(verbose=False):
+        builds.append(1)
+        raise build.KernelBuildError("cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit)")
+
+    monkeypatch.setattr(build, "load_extension", no_nvcc)
+    assert not ops.kernels_settled()
+    status = ops.kernel_status("cuda:0")
+    assert status.kernels == "torch" and status.note.startswith("cannot build the CUDA kernels: nvcc not found")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nvcc not found" in err and "PyTorch path runs instead" in err
+    assert ops.kernels_settled()
+    assert ops.kernel_status("cuda:0") == status and builds == [1] and capsys.readouterr().err == ""
+    monkeypatch.setenv("TRELLIS_KERNELS", "torch")
+    assert ops.kernel_status("cuda:0") == ops.KernelStatus("torch", "TRELLIS_KERNELS=torch is set")
+
+
 def test_build_inputs_for_setup_py():
     srcs = build.extension_sources()
     names = {s.rsplit("/", 1)[-1] for s in srcs}

@@ -74,6 +74,7 @@ def test_load_generate_cancel_status_unload(worker, model_dir):
     assert result.type == "result", result
     assert result.data["name"] == MODEL_TAG and result.data["max_context"] == 2048
     assert result.data["bits_per_weight"] == 4.0 and result.data["cache_bytes"] > 0
+    assert result.data["kernels"] == "torch" and result.data["kernels_note"] == ""  # the CPU: nothing to explain
     fractions = [e.fraction for e in events if e.type == "progress"]
     assert fractions and fractions[-1] == 1.0 and fractions == sorted(fractions)
 

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QHBoxL
                                QMessageBox, QProgressBar, QPushButton, QSpinBox, QTableView, QVBoxLayout, QWidget)
 
 from app import library_scan, settings
-from app.engine_client import REPO_ROOT, EngineClient
+from app.engine_client import REPO_ROOT, EngineClient, missing_kernels
 from app.icons import icon
 from app.models.library import LibraryModel
 
@@ -352,7 +352,9 @@ class LibraryPane(QWidget):
         if cmd_id == self._load_id and command == "load":
             self._load_id = None
             self.progress.setVisible(False)
-            self.status.setText(f"Loaded {data.get('name', '')} on {data.get('device', '?')}.")
+            why = missing_kernels(data)
+            self.status.setText(f"Loaded {data.get('name', '')} on {data.get('device', '?')}" +
+                                (f", without CUDA kernels (slow): {why}" if why else "."))
             self.chat_requested.emit()
 
     def _on_error(self, err) -> None:

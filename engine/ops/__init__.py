@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -145,6 +146,10 @@ def extension():
             _ext = load_extension()
         except Exception as e:
             _ext_error = e
+            # Said once, where the user of the CLI or the worker's log sees it: what follows runs
+            # the PyTorch path, which a GPU user would otherwise only notice as slowness.
+            print(f"trellis: {_one_line(e)}; the PyTorch path runs instead (slower, and with dense fp16 "
+                  "weights: 16 / bpw times the memory of the EXL3 weights)", file=sys.stderr, flush=True)
             raise
         # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
@@ -191,6 +196,38 @@ def debug_variant(variant: int):
         yield ext
     finally:
         ext.set_mm_debug_variant(_DEFAULT_VARIANT)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def kernels_settled() -> bool:
+    """Whether the extension was already loaded, or failed to, in this process: the next
+    extension() call then costs nothing."""
+    return _ext is not None or _ext_error is not None
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """What runs a model's ops on a device: "cuda" (the kernels) or "torch" (the PyTorch path), and
+    on a CUDA device without the kernels, why, in one line. Reported to the app, because there the
+    PyTorch path is many times slower and keeps dense fp16 weights."""
+
+    kernels: str
+    note: str = ""
+
+
+def kernel_status(device: torch.device | str) -> KernelStatus:
+    """The ops' path on `device`, building the kernels if needed (minutes, once per GPU kind)."""
+    if torch.device(device).type != "cuda":
+        return KernelStatus("torch")
+    if not kernels_enabled():
+        return KernelStatus("torch", f"TRELLIS_KERNELS={os.environ.get('TRELLIS_KERNELS', '')} is set")
+    if kernels_available(device):
+        return KernelStatus("cuda")
+    return KernelStatus("torch", _one_line(_ext_error) if _ext_error is not None else "no CUDA device is available")
 
 
 def kernels_available(device: torch.device | str | None = None) -> bool:
@@ -929,5 +966,6 @@ __all__ = [
     "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope",
     "hadamard128", "rms_norm", "add_rms_norm",
     "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
+    "kernel_status", "KernelStatus", "kernels_settled",
     "extension",
 ]

@@ -62,6 +62,20 @@ def _find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def needs_compile() -> bool:
+    """Whether the next load_extension() compiles (minutes) rather than loads a build: no prebuilt
+    extension is installed and none is cached for this GPU and these sources. Lets a caller say so
+    before the wait, which the app's user would otherwise take for a hang."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("trellis_ext") is not None or not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return not any(cache_dir(f"{major}{minor}").glob(f"{EXT_NAME}*.so"))
+
+
 def load_extension(verbose: bool = False):
     """Import the prebuilt extension (setup.py build) or compile it for the current GPU."""
     try:

@@ -156,6 +156,10 @@ class ModelHost:
 
         progress(0.0, f"reading {model_dir.name}")
         tokenizer = Tokenizer.from_dir(model_dir)
+        step["what"] = "preparing the CUDA kernels"
+        status = self._kernel_status(device, progress)
+        info.kernels, info.kernels_note = status.kernels, status.note
+        step["what"] = f"loading the weights of {model_dir.name}"
         model = load_model(model_dir, device=device, progress=_scaled_progress(progress, 0.9, f"loading {model_dir.name}"))
         context_limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         max_context = cmd.max_context or context_limit or 4096
@@ -194,6 +198,18 @@ class ModelHost:
                 torch.cuda.empty_cache()
         except ImportError:
             pass
+
+    @staticmethod
+    def _kernel_status(device: str, progress: ProgressFn):
+        """The ops' path on `device`. The first model on a GPU may compile the kernels (minutes,
+        once per GPU kind and engine version): the progress line says so first."""
+        from engine import ops
+        from engine.ops.build import needs_compile
+
+        if device.startswith("cuda") and ops.kernels_enabled() and not ops.kernels_settled():
+            progress(0.0, "compiling the CUDA kernels for this GPU (first use only; a few minutes)"
+                     if needs_compile() else "loading the CUDA kernels")
+        return ops.kernel_status(device)
 
     @staticmethod
     def _pick_device(requested: str) -> str:

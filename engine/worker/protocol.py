@@ -162,6 +162,8 @@ class ModelInfo:
     draft_model_dir: Optional[str] = None
     weight_bytes: int = 0
     cache_bytes: int = 0
+    kernels: str = ""              # "cuda" (the CUDA kernels) or "torch" (the PyTorch path)
+    kernels_note: str = ""         # on a CUDA device without the kernels: why, in one line
 
 
 @dataclass

@@ -124,7 +124,10 @@ def main() -> None:
             model = P.ModelInfo(model_dir=str(d), name=d.name, architecture="LlamaForCausalLM", max_context=2048,
                                 vision="vision" in d.name,
                                 weight_bytes=sum(f.stat().st_size for f in d.glob("*.safetensors")),
-                                cache_bytes=2048 * 1024)
+                                cache_bytes=2048 * 1024, kernels="torch")
+            if "nokernels" in d.name:  # a GPU whose CUDA kernels could not be built
+                model.device = "cuda:0"
+                model.kernels_note = "cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit)"
             send(P.Result(id=cmd.id, command="load", data=model.__dict__))
         elif isinstance(cmd, P.Unload):
             model = None

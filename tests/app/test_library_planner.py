@@ -63,6 +63,18 @@ def test_library_lists_models_with_details_and_fit(qtbot, window, library_dirs):
     assert m.data(m.index(r, 7)).startswith("too big")
 
 
+def test_a_gpu_without_its_kernels_is_said_at_load(qtbot, window, tmp_path):
+    """A model the engine loaded on a GPU without the CUDA kernels: the library's load line and
+    the status bar say so, with the engine's reason."""
+    d = tmp_path / "mine" / "llama-nokernels"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with qtbot.waitSignal(window.client.model_changed, timeout=10000):
+        window.library.load(str(d))
+    assert "without CUDA kernels (slow): cannot build the CUDA kernels: nvcc not found" in window.library.status.text()
+    assert "without CUDA kernels" in window.model_label.text() and "nvcc not found" in window.model_label.toolTip()
+
+
 def test_broken_model_says_why_and_load_errors_are_shown(qtbot, window, library_dirs):
     ref, broken = library_dirs
     lib = window.library

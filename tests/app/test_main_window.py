@@ -67,3 +67,19 @@ def test_dark_and_light_themes(qtbot, make_client):
         assert not w.chat.transcript.dark and "@" not in app.styleSheet().split("*/", 1)[1]
     finally:
         theme.apply(app, dark=False)
+
+
+def test_model_label_says_when_a_gpu_runs_without_its_kernels(qtbot, make_client):
+    """A model on a GPU without the CUDA kernels is named so in the status bar, with the engine's
+    reason on hover; a GPU with them, or the CPU (always the PyTorch path), says nothing more."""
+    w = _window(qtbot, make_client)
+    info = {"name": "Llama-3.1-8B-exl3", "bits_per_weight": 4.0, "device": "cuda:0", "kernels": "torch",
+            "kernels_note": "cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit)"}
+    w.client.model_changed.emit(info)
+    assert "without CUDA kernels" in w.model_label.text() and "nvcc not found" in w.model_label.toolTip()
+    w.client.model_changed.emit(dict(info, kernels="cuda", kernels_note=""))
+    assert "without" not in w.model_label.text() and w.model_label.toolTip() == ""
+    w.client.model_changed.emit(dict(info, device="cpu", kernels_note=""))
+    assert "without" not in w.model_label.text() and w.model_label.text().endswith("· cpu")
+    w.client.model_changed.emit(None)
+    assert w.model_label.text() == "No model loaded"
