@@ -166,6 +166,33 @@ def _wait_in_process(sink, predicate, timeout=60):
     raise TimeoutError([e.type for e in sink.events()])
 
 
+def test_out_of_memory_without_the_kernels_names_them(model_dir, monkeypatch):
+    """On a GPU without its CUDA kernels the weights load dense: a load that runs out of memory
+    says that this is why, with the kernels' one-line reason, not only 'try a smaller cache'."""
+    torch = pytest.importorskip("torch")
+    import engine.models as models_module
+    from engine import ops
+    from engine.worker.host import ModelHost
+    from engine.worker.loop import Worker
+
+    def oom_load(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB")
+
+    missing = ops.KernelStatus("torch", "cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit)")
+    monkeypatch.setattr(ModelHost, "_kernel_status", staticmethod(lambda device, progress: missing))
+    monkeypatch.setattr(models_module, "load_model", oom_load)
+    sink = _Sink()
+    worker = Worker(sink)
+    try:
+        worker.handle_line(p.Load(id="L1", model_dir=model_dir, max_context=256).to_line())
+        err = _wait_in_process(sink, lambda e: e.id == "L1" and e.type in ("error", "result"))
+        assert err.type == "error" and err.code == p.ErrorCode.OUT_OF_MEMORY and "\n" not in err.message
+        assert "without the CUDA kernels" in err.message and "nvcc not found" in err.message
+        assert "dense fp16" in err.message and worker.host.model is None
+    finally:
+        worker.close()
+
+
 def test_out_of_memory_becomes_an_error_and_worker_stays_usable(model_dir, monkeypatch):
     torch = pytest.importorskip("torch")
     import engine.generate as gen_module

@@ -130,9 +130,15 @@ class ModelHost:
             failure = WorkerError(str(e), ErrorCode.MODEL_LOAD_FAILED)
         except Exception as e:
             if is_out_of_memory(e):
-                failure = OutOfMemory(out_of_memory_message(
-                    device, step["what"], "Try a smaller cache (shorter max_context), 8-bit or 4-bit cache, "
-                    "or a lower-bpw version of the model.", e))
+                advice = ("Try a smaller cache (shorter max_context), 8-bit or 4-bit cache, "
+                          "or a lower-bpw version of the model.")
+                if info.kernels_note:
+                    # Without the kernels the weights load dense, 16 / bpw times their EXL3 size:
+                    # that, not the model, is what did not fit.
+                    advice = (f"This GPU runs without the CUDA kernels ({info.kernels_note}), so the weights "
+                              "load as dense fp16, 16 / bpw times their size in the model folder; with the "
+                              "kernels (install the CUDA toolkit's nvcc) they stay compressed.")
+                failure = OutOfMemory(out_of_memory_message(device, step["what"], advice, e))
             else:
                 failure = WorkerError(f"cannot load {model_dir.name}: {type(e).__name__}: {e}",
                                       ErrorCode.MODEL_LOAD_FAILED)
