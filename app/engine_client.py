@@ -26,6 +26,14 @@ def default_worker_argv() -> list[str]:
     return [sys.executable, "-m", "engine.worker"]
 
 
+def kernels_caveat(hello) -> str:
+    """Why the engine's GPU would run models without the CUDA kernels (its Hello says), or "":
+    plans for that GPU then count the weights' dense copies."""
+    if hello is None or not any(d.device.startswith("cuda") for d in hello.devices):
+        return ""
+    return hello.kernels_note or ""
+
+
 def missing_kernels(model: dict | None) -> str | None:
     """Why a loaded model on a GPU runs without the CUDA kernels (the engine's one line), or None
     when it has them or runs on the CPU, where the PyTorch path is the expected one."""

@@ -85,8 +85,9 @@ def scan(folders: list[str]) -> list[LibraryEntry]:
     return entries
 
 
-def fit(entry: LibraryEntry, context: int, capacity_bytes: list[int]) -> planner.Plan | None:
+def fit(entry: LibraryEntry, context: int, capacity_bytes: list[int], without_kernels: str = "") -> planner.Plan | None:
     if entry.spec is None or not capacity_bytes:
         return None
     ctx = min(context, entry.spec.max_context) if entry.spec.max_context else context
-    return planner.plan(entry.spec, planner.PlanRequest(context=ctx, gpu_bytes=capacity_bytes))
+    return planner.plan(entry.spec, planner.PlanRequest(context=ctx, gpu_bytes=capacity_bytes,
+                                                        without_kernels=without_kernels))

@@ -77,6 +77,9 @@ class PlanRequest:
     v_bits: int | None = None
     gpu_bytes: list[int] = field(default_factory=list)   # free memory per GPU; empty = unknown
     draft: ModelSpec | None = None
+    # The GPU runs without the CUDA kernels (the engine's reason, or ""): an EXL3 model's linears
+    # then load a dense fp16 copy beside their trellis (engine/models/layers.py).
+    without_kernels: str = ""
 
 
 @dataclass
@@ -288,13 +291,22 @@ def activation_bytes(spec: ModelSpec, context: int, batch: int = 1, quantized_ca
     return chunk * per_token + scratch + logits
 
 
+def dense_copy_bytes(spec: ModelSpec) -> int:
+    """The fp16 copies an EXL3 model's linears take where the CUDA kernels are missing: every
+    parameter but the embedding and the norms, two bytes each (nothing for an unquantized model)."""
+    if spec.bits is None:
+        return 0
+    linear_params = spec.parameters - spec.vocab_size * spec.hidden_size - (2 * spec.num_layers + 1) * spec.hidden_size
+    return 2 * max(0, linear_params)
+
+
 def _parts(spec: ModelSpec, req: PlanRequest, context: int) -> tuple[int, int, int, int]:
     quant = req.k_bits is not None or req.v_bits is not None
-    weights = spec.weight_bytes
+    weights = spec.weight_bytes + (dense_copy_bytes(spec) if req.without_kernels else 0)
     kv = kv_cache_bytes(spec, context, req.batch, req.k_bits, req.v_bits)
     act = activation_bytes(spec, context, req.batch, quant)
     if req.draft is not None:
-        weights += req.draft.weight_bytes
+        weights += req.draft.weight_bytes + (dense_copy_bytes(req.draft) if req.without_kernels else 0)
         kv += kv_cache_bytes(req.draft, context, req.batch)
     gpus = max(1, len(req.gpu_bytes))
     overhead = gpus * CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * (weights + kv))
@@ -325,6 +337,16 @@ def _gib(x: int) -> str:
 
 def _advice(spec: ModelSpec, req: PlanRequest, parts: tuple[int, int, int, int], capacity: int | None,
             best: int | None) -> str:
+    text = _fit_advice(spec, req, parts, capacity, best)
+    if req.without_kernels and spec.bits is not None:
+        text += (f" The weights include {_gib(dense_copy_bytes(spec))} of dense fp16 copies because this GPU runs "
+                 f"without the CUDA kernels ({req.without_kernels}); with the kernels they would take "
+                 f"{_gib(spec.weight_bytes)}.")
+    return text
+
+
+def _fit_advice(spec: ModelSpec, req: PlanRequest, parts: tuple[int, int, int, int], capacity: int | None,
+                best: int | None) -> str:
     weights, kv, act, overhead = parts
     total = sum(parts)
     if capacity is None:
@@ -340,7 +362,7 @@ def _advice(spec: ModelSpec, req: PlanRequest, parts: tuple[int, int, int, int],
     fixed = weights + overhead + activation_bytes(spec, PAGE_SIZE, req.batch)
     if fixed > capacity:
         avail = capacity - overhead - activation_bytes(spec, PAGE_SIZE, req.batch) - spec.embedding_bytes
-        if spec.bits is not None and avail > 0:
+        if spec.bits is not None and avail > 0 and not req.without_kernels:  # dense copies: bpw barely matters
             ratio = avail / max(1, weights - spec.embedding_bytes)
             target = math.floor(spec.bits * ratio * 4) / 4
             if target >= 1.5:
@@ -354,7 +376,7 @@ def _advice(spec: ModelSpec, req: PlanRequest, parts: tuple[int, int, int, int],
         msg = f"Too big by {_gib(total - capacity)}: lower the batch"
     if req.k_bits is None and req.v_bits is None:
         q = PlanRequest(context=req.context, batch=req.batch, k_bits=4, v_bits=4, gpu_bytes=req.gpu_bytes,
-                        draft=req.draft)
+                        draft=req.draft, without_kernels=req.without_kernels)
         if sum(_parts(spec, q, req.context)) <= capacity:
             return msg + ", or use a 4-bit KV cache (--cache-bits 4,4), which fits this context."
     return msg + "."

@@ -116,6 +116,25 @@ def test_kernel_status_says_once_why_a_gpu_runs_the_pytorch_path(monkeypatch, ca
     assert ops.kernel_status("cuda:0") == ops.KernelStatus("torch", "TRELLIS_KERNELS=torch is set")
 
 
+def test_kernel_obstacle_says_what_stands_in_the_way(monkeypatch):
+    """Without building anything: no nvcc, or a GPU older than sm_80, is named in one line; with
+    nvcc (or a prebuilt extension) nothing stands in the way."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    monkeypatch.setattr(build, "_prebuilt", lambda: False)
+    monkeypatch.setattr(build, "_find_nvcc", lambda: None)
+    assert build.kernel_obstacle().startswith("cannot build the CUDA kernels: nvcc not found")
+    monkeypatch.setattr(build, "_find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    assert build.kernel_obstacle() is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    assert "7.5 is too old" in build.kernel_obstacle()
+    monkeypatch.setattr(build, "_prebuilt", lambda: True)
+    assert build.kernel_obstacle() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "need a CUDA GPU" in build.kernel_obstacle()
+
+
 def test_build_inputs_for_setup_py():
     srcs = build.extension_sources()
     names = {s.rsplit("/", 1)[-1] for s in srcs}

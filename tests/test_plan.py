@@ -181,3 +181,22 @@ def test_soft_capped_attention_adds_its_score_chunks():
     assert extra == P.CAPPED_SCORES_BYTES  # 2,048 queries x 16 heads x 8,192 keys x 4 bytes is more
     short = P.activation_bytes(g, 100) - P.activation_bytes(l, 100)
     assert short == 100 * 16 * 100 * 4  # the whole square when it is smaller
+
+
+def test_a_gpu_without_kernels_counts_the_dense_copies():
+    """Without the CUDA kernels an EXL3 model's linears load a dense fp16 copy beside their
+    trellis: every parameter but the embedding and the norms, two bytes each. The advice says why
+    the weights are that large; an unquantized model changes nothing."""
+    spec = P.spec_from_config(LLAMA_70B, name="llama-70b")
+    h, layers, vocab = 8192, 80, spec.vocab_size
+    assert P.dense_copy_bytes(spec) == 2 * (spec.parameters - vocab * h - (2 * layers + 1) * h)
+    assert 138e9 < P.dense_copy_bytes(spec) < 140e9  # ~70.6 B parameters, 1.05 B of them the embedding
+    req = P.PlanRequest(context=4096, gpu_bytes=[80 * P.GiB])
+    plain = P.plan(spec, req)
+    dense = P.plan(spec, P.PlanRequest(context=4096, gpu_bytes=[80 * P.GiB], without_kernels="nvcc not found"))
+    assert dense.weights == plain.weights + P.dense_copy_bytes(spec) and dense.total > plain.total
+    assert plain.fits and not dense.fits and "bpw" not in dense.advice.split(".")[0]  # no lower-bpw hint: copies dominate
+    assert "dense fp16 copies" in dense.advice and "nvcc not found" in dense.advice and "would take" in dense.advice
+    fp16 = P.spec_from_config({k: v for k, v in LLAMA_70B.items() if k != "quantization_config"}, name="fp16")
+    assert P.dense_copy_bytes(fp16) == 0
+    assert P.plan(fp16, P.PlanRequest(context=4096, without_kernels="x")).weights == fp16.weight_bytes

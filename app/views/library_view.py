@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QHBoxL
                                QMessageBox, QProgressBar, QPushButton, QSpinBox, QTableView, QVBoxLayout, QWidget)
 
 from app import library_scan, settings
-from app.engine_client import REPO_ROOT, EngineClient, missing_kernels
+from app.engine_client import REPO_ROOT, EngineClient, kernels_caveat, missing_kernels
 from app.icons import icon
 from app.models.library import LibraryModel
 
@@ -219,11 +219,12 @@ class LibraryPane(QWidget):
 
     def _refresh_fits(self) -> None:
         entries = getattr(self, "_entries", [])
-        cap, _ = capacity_from_devices(self.client.devices)
+        cap, where = capacity_from_devices(self.client.devices)
+        caveat = kernels_caveat(self.client.hello) if where == "GPU" else ""
         fits = {}
         for e in entries:
             try:
-                fits[e.path] = library_scan.fit(e, self.context.value(), cap)
+                fits[e.path] = library_scan.fit(e, self.context.value(), cap, caveat)
             except Exception:
                 fits[e.path] = None
         self.model.set_entries(entries, fits)

@@ -12,6 +12,7 @@ from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
+from app.engine_client import kernels_caveat
 from engine import plan as planner
 from engine.errors import TrellisError
 
@@ -190,7 +191,10 @@ class PlannerPane(QWidget):
         if gpus:
             self.gpu_mem.setValue(min(d.free_bytes for d in gpus) / planner.GiB)
             self.gpus.setValue(len(gpus))
-            self.gpu_source.setText(f"from the engine: {', '.join(d.name or d.device for d in gpus)}")
+            caveat = kernels_caveat(self.client.hello)
+            self.gpu_source.setText(f"from the engine: {', '.join(d.name or d.device for d in gpus)}" +
+                                    (" · without CUDA kernels: weights count dense" if caveat else ""))
+            self.gpu_source.setToolTip(caveat)
         else:
             self.gpu_source.setText("typed in (the engine reports no GPU)")
 
@@ -227,7 +231,8 @@ class PlannerPane(QWidget):
         kb = None if self.k_bits.currentText() == "fp16" else int(self.k_bits.currentText())
         vb = None if self.v_bits.currentText() == "fp16" else int(self.v_bits.currentText())
         return planner.PlanRequest(context=self.context.value(), batch=self.batch.value(), k_bits=kb, v_bits=vb,
-                                   gpu_bytes=[int(self.gpu_mem.value() * planner.GiB)] * self.gpus.value())
+                                   gpu_bytes=[int(self.gpu_mem.value() * planner.GiB)] * self.gpus.value(),
+                                   without_kernels=kernels_caveat(self.client.hello))
 
     def recompute(self) -> None:
         if self.spec is None:

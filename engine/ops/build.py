@@ -62,18 +62,48 @@ def _find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def _prebuilt() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trellis_ext") is not None
+
+
+def _cached(arch: str) -> bool:
+    return any(cache_dir(arch).glob(f"{EXT_NAME}*.so"))
+
+
+def kernel_obstacle() -> str | None:
+    """Why this machine's CUDA device cannot have the kernels, in one line, or None when it can (a
+    prebuilt extension, or nvcc to compile or load a cached build): load_extension's own checks.
+    Cheap, it builds nothing, so the worker can tell the app's planner at its start whether a
+    model's weights will stay compressed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA kernels need a CUDA GPU and a CUDA build of PyTorch"
+    if torch.version.cuda is None:
+        return "this PyTorch has no CUDA support; install a CUDA build to use the kernels"
+    if _prebuilt():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"GPU compute capability {major}.{minor} is too old: the kernels need sm_80 or newer"
+    if _find_nvcc() is not None:
+        return None
+    return ("cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit, set CUDA_HOME, "
+            "or set TRELLIS_KERNELS=torch to use the slower PyTorch path)")
+
+
 def needs_compile() -> bool:
     """Whether the next load_extension() compiles (minutes) rather than loads a build: no prebuilt
     extension is installed and none is cached for this GPU and these sources. Lets a caller say so
     before the wait, which the app's user would otherwise take for a hang."""
-    import importlib.util
-
     import torch
 
-    if importlib.util.find_spec("trellis_ext") is not None or not torch.cuda.is_available():
+    if _prebuilt() or not torch.cuda.is_available():
         return False
     major, minor = torch.cuda.get_device_capability()
-    return not any(cache_dir(f"{major}{minor}").glob(f"{EXT_NAME}*.so"))
+    return not _cached(f"{major}{minor}")
 
 
 def load_extension(verbose: bool = False):
@@ -86,22 +116,14 @@ def load_extension(verbose: bool = False):
         pass
     import torch
 
-    if not torch.cuda.is_available():
-        raise KernelBuildError("CUDA kernels need a CUDA GPU and a CUDA build of PyTorch")
-    if torch.version.cuda is None:
-        raise KernelBuildError("this PyTorch has no CUDA support; install a CUDA build to use the kernels")
+    obstacle = kernel_obstacle()
+    if obstacle is not None:
+        raise KernelBuildError(obstacle)
     major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        raise KernelBuildError(f"GPU compute capability {major}.{minor} is too old: the kernels need sm_80 or newer")
-    if _find_nvcc() is None:
-        raise KernelBuildError(
-            "cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit, set CUDA_HOME, "
-            "or set TRELLIS_KERNELS=torch to use the slower PyTorch path)"
-        )
     arch = f"{major}{minor}"
     build_dir = cache_dir(arch)
     build_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not any(build_dir.glob(f"{EXT_NAME}*.so"))
+    fresh = not _cached(arch)
     if fresh:
         print(f"trellis: compiling CUDA kernels for sm_{arch} (once, cached in {build_dir}) ...", file=sys.stderr, flush=True)
     from torch.utils.cpp_extension import load

@@ -206,6 +206,21 @@ class ModelHost:
             pass
 
     @staticmethod
+    def kernels_note() -> str:
+        """Why this machine's GPU would run models without the CUDA kernels ("" when it can have
+        them, or has no GPU). Builds nothing: a first load may still compile them."""
+        import torch
+
+        from engine import ops
+        from engine.ops.build import kernel_obstacle
+
+        if not torch.cuda.is_available():
+            return ""
+        if not ops.kernels_enabled():
+            return ops.kernel_status("cuda").note
+        return kernel_obstacle() or ""
+
+    @staticmethod
     def _kernel_status(device: str, progress: ProgressFn):
         """The ops' path on `device`. The first model on a GPU may compile the kernels (minutes,
         once per GPU kind and engine version): the progress line says so first."""

@@ -142,7 +142,8 @@ class Worker:
     # ------------------------------------------------------------------ main loop
 
     def run(self, stdin: IO[bytes]) -> None:
-        self.emit(p.Hello(engine_version=ENGINE_VERSION, pid=os.getpid(), devices=self.host.devices()))
+        self.emit(p.Hello(engine_version=ENGINE_VERSION, pid=os.getpid(), devices=self.host.devices(),
+                          kernels_note=self.host.kernels_note()))
         for raw in stdin:
             if not raw.strip():
                 continue

@@ -305,6 +305,9 @@ class Hello(Message):
     engine_version: str = ""
     pid: int = 0
     devices: list[DeviceMemory] = field(default_factory=list)
+    # With a CUDA device: why its models would run without the CUDA kernels, in one line ("" when
+    # they can have them), so that the app plans their weights as they will load (dense copies).
+    kernels_note: str = ""
 
 
 @dataclass

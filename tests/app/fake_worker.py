@@ -103,8 +103,11 @@ def convert(cmd: P.Convert) -> None:
 
 def main() -> None:
     global model
-    send(P.Hello(engine_version="fake", pid=os.getpid(),
-                 devices=[P.DeviceMemory(device="cpu", name="fake CPU", total_bytes=8 << 30, free_bytes=6 << 30)]))
+    devices = [P.DeviceMemory(device="cpu", name="fake CPU", total_bytes=8 << 30, free_bytes=6 << 30)]
+    note = os.environ.get("FAKE_GPU_WITHOUT_KERNELS", "")  # a GPU whose kernels cannot be built, and why
+    if note:
+        devices.insert(0, P.DeviceMemory(device="cuda:0", name="fake GPU", total_bytes=24 << 30, free_bytes=22 << 30))
+    send(P.Hello(engine_version="fake", pid=os.getpid(), devices=devices, kernels_note=note))
     threads = []
     for line in sys.stdin:
         if not line.strip():

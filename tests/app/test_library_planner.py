@@ -147,6 +147,28 @@ def test_planner_pane_matches_engine_plan(qtbot, window, library_dirs):
     assert p.advice.text().startswith("Cannot plan:") and p.last_plan is None
 
 
+def test_planner_counts_dense_weights_on_a_gpu_without_kernels(qtbot, make_client, library_dirs):
+    """An engine whose GPU cannot have the CUDA kernels says so at start; the planner then counts
+    the dense fp16 copies the weights will load as, names the reason, and the library's fit badge
+    follows the same plan."""
+    client = make_client(FAKE_GPU_WITHOUT_KERNELS="cannot build the CUDA kernels: nvcc not found")
+    w = MainWindow(client=client, start_engine=False)
+    qtbot.addWidget(w)
+    p = w.planner
+    assert "without CUDA kernels" in p.gpu_source.text() and "nvcc not found" in p.gpu_source.toolTip()
+    p.set_model(LLAMA_8B)
+    p.context.setValue(4096)
+    p.gpu_mem.setValue(16.0)
+    spec = planner.spec_from_config(LLAMA_8B, name="x")
+    plain = planner.plan(spec, planner.PlanRequest(context=4096, gpu_bytes=[16 * planner.GiB]))
+    assert p.last_plan.weights == plain.weights + planner.dense_copy_bytes(spec)
+    assert plain.fits and not p.last_plan.fits  # 4.0 bpw Llama-3.1-8B: ~5 GiB compressed, ~14 GiB more dense
+    assert "dense fp16 copies" in p.advice.text() and "nvcc not found" in p.advice.text()
+    ref, _ = library_dirs
+    e = library_scan.LibraryEntry(str(ref), "x", "exl3", spec=spec)
+    assert library_scan.fit(e, 4096, [16 * planner.GiB], "nvcc not found").weights == p.last_plan.weights
+
+
 def test_scan_survives_unreadable_and_gguf(tmp_path, ref_fixtures):
     (tmp_path / "a.gguf").write_bytes(b"GGUF" + b"\0" * 64)
     shutil.copytree(ref_fixtures / "hf" / "llama", tmp_path / "llama-copy")
