@@ -166,6 +166,12 @@ def _wait_in_process(sink, predicate, timeout=60):
     raise TimeoutError([e.type for e in sink.events()])
 
 
+def _load_answer(worker, sink, model_dir, load_id: str):
+    """The error or result an in-process worker answers a load of model_dir with."""
+    worker.handle_line(p.Load(id=load_id, model_dir=model_dir, max_context=256).to_line())
+    return _wait_in_process(sink, lambda e: e.id == load_id and e.type in ("error", "result"))
+
+
 def test_out_of_memory_without_the_kernels_names_them(model_dir, monkeypatch):
     """On a GPU without its CUDA kernels the weights load dense: a load that runs out of memory
     says that this is why, with the kernels' one-line reason, not only 'try a smaller cache'."""
@@ -184,8 +190,7 @@ def test_out_of_memory_without_the_kernels_names_them(model_dir, monkeypatch):
     sink = _Sink()
     worker = Worker(sink)
     try:
-        worker.handle_line(p.Load(id="L1", model_dir=model_dir, max_context=256).to_line())
-        err = _wait_in_process(sink, lambda e: e.id == "L1" and e.type in ("error", "result"))
+        err = _load_answer(worker, sink, model_dir, "L1")
         assert err.type == "error" and err.code == p.ErrorCode.OUT_OF_MEMORY and "\n" not in err.message
         assert "without the CUDA kernels" in err.message and "nvcc not found" in err.message
         assert "dense fp16" in err.message and worker.host.model is None
@@ -223,15 +228,13 @@ def test_out_of_memory_becomes_an_error_and_worker_stays_usable(model_dir, monke
     sink = _Sink()
     worker = Worker(sink)
     try:
-        worker.handle_line(p.Load(id="L1", model_dir=model_dir, max_context=256).to_line())
-        err = _wait_in_process(sink, lambda e: e.id == "L1" and e.type in ("error", "result"))
+        err = _load_answer(worker, sink, model_dir, "L1")
         assert err.type == "error" and err.code == p.ErrorCode.OUT_OF_MEMORY
         assert "cpu" in err.message and "KV cache for 256 tokens" in err.message
         assert "smaller cache" in err.message and "\n" not in err.message
         assert worker.host.model is None
 
-        worker.handle_line(p.Load(id="L2", model_dir=model_dir, max_context=256).to_line())
-        assert _wait_in_process(sink, lambda e: e.id == "L2" and e.type in ("error", "result")).type == "result"
+        assert _load_answer(worker, sink, model_dir, "L2").type == "result"
 
         worker.handle_line(p.Generate(id="G1", prompt="Hello", max_tokens=4).to_line())
         err = _wait_in_process(sink, lambda e: e.id == "G1" and e.type in ("error", "done"))
