@@ -120,23 +120,24 @@ def repo_card(repo: str) -> RepoCard:
 
 
 def revision_plan(config: dict, name: str, bits: Optional[float], weight_bytes: int, context: int,
-                  capacity: list[int]) -> tuple[Optional[planner.Plan], Optional[int]]:
+                  capacity: list[int], without_kernels: str = "") -> tuple[Optional[planner.Plan], Optional[int]]:
     """(plan against capacity, or None; bytes needed). The safetensors total of the revision is
-    used as the weights (exact); the config gives the shapes for cache and activations."""
+    used as the weights (exact); the config gives the shapes for cache and activations.
+    without_kernels: why the engine's GPU lacks the CUDA kernels ("" when it has them)."""
     spec = planner.spec_from_config(config, name=name, bits=bits)
     if weight_bytes:
         spec.weight_bytes = weight_bytes
         spec.weights_exact = True
     ctx = max(1, min(context, spec.max_context or context))
     if capacity:
-        p = planner.plan(spec, planner.PlanRequest(context=ctx, gpu_bytes=capacity))
+        p = planner.plan(spec, planner.PlanRequest(context=ctx, gpu_bytes=capacity, without_kernels=without_kernels))
         return p, p.total
-    p = planner.plan(spec, planner.PlanRequest(context=ctx))
+    p = planner.plan(spec, planner.PlanRequest(context=ctx, without_kernels=without_kernels))
     return None, p.total
 
 
-def revision_rows(repo: str, context: int, capacity: list[int],
-                  on_row: Optional[Callable[[RevisionRow], None]] = None) -> list[RevisionRow]:
+def revision_rows(repo: str, context: int, capacity: list[int], on_row: Optional[Callable[[RevisionRow], None]] = None,
+                  without_kernels: str = "") -> list[RevisionRow]:
     """Every branch and tag with its size and fit. One failing revision becomes a row with an
     error; a repo that does not exist raises RepoNotFound (one line for the user)."""
     rows = []
@@ -156,7 +157,7 @@ def revision_rows(repo: str, context: int, capacity: list[int],
                     row.head_bits = int(quant["head_bits"]) if "head_bits" in quant else None
                 if weights:
                     row.plan, row.needs_bytes = revision_plan(config, f"{repo}@{rev.name}", row.bits, weights,
-                                                              context, capacity)
+                                                              context, capacity, without_kernels)
         except (TrellisError, ValueError) as e:
             row.error = str(e)
         rows.append(row)

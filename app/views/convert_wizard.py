@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (QButtonGroup, QComboBox, QDoubleSpinBox, QFileDia
 
 from app import convert_job as J
 from app.convert_job import ConversionRequest, ConvertProgress
+from app.engine_client import kernels_caveat
 from app.models.hub_models import badge_color
 from engine import plan as planner
 from engine.errors import TrellisError
@@ -302,9 +303,10 @@ class SourcePage(QWizardPage):
 
 
 class TargetPage(QWizardPage):
-    def __init__(self, capacity: list[int], context: int):
+    def __init__(self, capacity: list[int], context: int, without_kernels: str = ""):
         super().__init__()
         self.capacity, self.context = capacity, context
+        self.without_kernels = without_kernels  # the engine's GPU lacks the CUDA kernels: weights count dense
         self.setTitle("Target size and calibration")
         self.setSubTitle("Bits per weight trade size for quality: about 4 is close to the original; below 3 "
                          "quality falls quickly.")
@@ -409,7 +411,8 @@ class TargetPage(QWizardPage):
             _restyle(self.estimate)
             return
         ctx = min(self.context, spec.max_context or self.context)
-        plan = planner.plan(spec, planner.PlanRequest(context=ctx, gpu_bytes=self.capacity))
+        plan = planner.plan(spec, planner.PlanRequest(context=ctx, gpu_bytes=self.capacity,
+                                                      without_kernels=self.without_kernels))
         self.estimate.setText(f"{size} · {'fits' if plan.fits else 'does not fit'} "
                               f"({_size(plan.total)} of {_size(plan.capacity)} at {ctx:,} tokens of context)")
         self.estimate.setProperty("fits", bool(plan.fits))
@@ -698,7 +701,7 @@ class ConvertWizard(QWizard):
         self.setWizardStyle(QWizard.ModernStyle)
         self.setOption(QWizard.NoBackButtonOnLastPage, False)
         self.source = SourcePage(sources)
-        self.target = TargetPage(capacity, context)
+        self.target = TargetPage(capacity, context, kernels_caveat(getattr(client, "hello", None)))
         self.output = OutputPage(models_dir)
         self.run = RunPage(client)
         for p in (self.source, self.target, self.output, self.run):

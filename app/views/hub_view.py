@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QApplication, QCheckBox, QComb
 
 from app import hub_info, settings
 from app.downloads import DownloadManager, sentence
+from app.engine_client import kernels_caveat
 from app.icons import icon
 from app.models.hub_models import (DownloadsModel, FractionRole, ItemRole, RevisionsModel, SearchResultsModel,
                                    badge_color)
@@ -314,10 +315,11 @@ class HubPane(QWidget):
         self.fit_note.setText("")
         context = self._context()
         capacity = self._capacity()
+        caveat = kernels_caveat(self.client.hello)
 
         def fetch():
             card = hub_info.repo_card(repo)
-            rows = hub_info.revision_rows(repo, context, capacity)
+            rows = hub_info.revision_rows(repo, context, capacity, without_kernels=caveat)
             return card, rows
         self._repo_seq = self._run(fetch, self._repo_fetched, self._repo_failed)
         self._update_buttons()

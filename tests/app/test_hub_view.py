@@ -13,7 +13,7 @@ import pytest
 
 from app import settings
 from app.engine_client import EngineClient
-from app.hub_info import card_summary
+from app.hub_info import card_summary, revision_plan
 from app.views.hub_view import HubPane
 from tests.fakehub import FakeHub
 
@@ -95,6 +95,17 @@ def test_card_summary_reads_front_matter_and_first_paragraph():
     meta, text = card_summary(README.decode())
     assert meta["license"] == "apache-2.0" and meta["tags"] == ["exl3"]
     assert text == "A tiny Llama quantized to EXL3, for tests."
+
+
+def test_revision_fit_counts_dense_copies_without_the_kernels():
+    """A hub revision's fit on a GPU that cannot have the CUDA kernels counts the dense fp16 copies
+    its weights will load as: a 4.0 bpw Llama-3.1-8B fits 16 GiB with them, not without."""
+    from tests.app.test_library_planner import LLAMA_8B
+
+    fits, _ = revision_plan(LLAMA_8B, "llama", 4.0, 0, 4096, [16 << 30])
+    dense, needs = revision_plan(LLAMA_8B, "llama", 4.0, 0, 4096, [16 << 30], without_kernels="nvcc not found")
+    assert fits.fits and not dense.fits and needs == dense.total > fits.total
+    assert "nvcc not found" in dense.advice
 
 
 def private_hub_names_used(source: str) -> list[str]:
