@@ -135,6 +135,22 @@ def test_kernel_obstacle_says_what_stands_in_the_way(monkeypatch):
     assert "need a CUDA GPU" in build.kernel_obstacle()
 
 
+def test_needs_compile_looks_for_a_cached_build(monkeypatch, tmp_path):
+    """The load progress says "compiling" only where no build is cached for this GPU (a .so, or a
+    .pyd on Windows) and none is installed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    monkeypatch.setattr(build, "_prebuilt", lambda: False)
+    monkeypatch.setattr(build, "cache_dir", lambda arch: tmp_path / f"sm{arch}")
+    (tmp_path / "sm89").mkdir()
+    assert build.needs_compile()
+    (tmp_path / "sm89" / f"{build.EXT_NAME}.pyd").write_bytes(b"")
+    assert not build.needs_compile()
+    monkeypatch.setattr(build, "_prebuilt", lambda: True)
+    (tmp_path / "sm89" / f"{build.EXT_NAME}.pyd").unlink()
+    assert not build.needs_compile()
+
+
 def test_build_inputs_for_setup_py():
     srcs = build.extension_sources()
     names = {s.rsplit("/", 1)[-1] for s in srcs}

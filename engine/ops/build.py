@@ -57,8 +57,9 @@ def cache_dir(arch: str) -> Path:
 
 def _find_nvcc() -> str | None:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
+    for name in ("nvcc", "nvcc.exe"):
+        if home and (Path(home) / "bin" / name).exists():
+            return str(Path(home) / "bin" / name)
     return shutil.which("nvcc")
 
 
@@ -69,7 +70,7 @@ def _prebuilt() -> bool:
 
 
 def _cached(arch: str) -> bool:
-    return any(cache_dir(arch).glob(f"{EXT_NAME}*.so"))
+    return any(p.suffix in (".so", ".pyd") for p in cache_dir(arch).glob(f"{EXT_NAME}*"))
 
 
 def kernel_obstacle() -> str | None:
