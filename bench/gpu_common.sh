@@ -2,7 +2,7 @@
 # check_unrun.sh): the environment, the log ($OUT/log.txt as $L, seconds since $t0), the kernel
 # build, the GPU tests (full output in $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1), and
 # $SUM, a one-line-per-row summary of bench.linear's JSON lines (other lines pass through).
-export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
+export TRELLIS_DEBUG_VARIANTS=1 PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
 L=$OUT/log.txt
 t0=$(date +%s)
 timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
 
 
 def tune(args) -> None:
-    """Occupancy configurations of the version-3 product (csrc/exl3_gemv.cuh, gv_tune), each
+    """Occupancy configurations of the version-3 product (csrc/exl3_gemv_geom.cuh, gv_tune), each
     checked against the reference and timed cold, so that one run picks the best."""
     from engine import ops
 

@@ -833,6 +833,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
+    m.def("debug_variants_built", &trellis::debug_variants_built,
+          "whether this build has the products' debug variants (built with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,
           "products on a ring that fits two blocks in 100 KB per SM: 0 where the shipped block cannot launch (default), 1 always, 2 never, 3 where two shipped blocks do not fit on an SM");
     m.def("gemv_plan",

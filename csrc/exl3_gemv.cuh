@@ -837,37 +837,40 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if constexpr (PATH == GV_I8 && NG == 1) {  // the host chose self prep (gemv_self_prep)
         if (a.self_prep) return launch_gemv_shipped<K, CB, PATH, NG, true>(a, false, stream);
     }
-    if constexpr (NG == 1) {
-        if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
-        if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
-        if (variant == 3) return launch_gemv_var<K, CB, PATH, NG, 3>(a, stream);
-        if constexpr (K == 4 && CB == CB_MUL1) {  // the fixed-cost probes, in the shipped configuration
-            if (variant == 4) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 4>(a, false, stream);
-            if (variant == 5) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 5>(a, false, stream);
-            if (variant == 6) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 6>(a, false, stream);
+    if constexpr (kDebugVariants) {
+        if constexpr (NG == 1) {
+            if (variant == 1) return launch_gemv_var<K, CB, PATH, NG, 1>(a, stream);
+            if (variant == 2) return launch_gemv_var<K, CB, PATH, NG, 2>(a, stream);
+            if (variant == 3) return launch_gemv_var<K, CB, PATH, NG, 3>(a, stream);
+            if constexpr (K == 4 && CB == CB_MUL1) {  // the fixed-cost probes, in the shipped configuration
+                if (variant == 4) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 4>(a, false, stream);
+                if (variant == 5) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 5>(a, false, stream);
+                if (variant == 6) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 6>(a, false, stream);
+            }
+            if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8) {  // the previous ALU / FMA split
+                if (variant == 7) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 7>(a, false, stream);
+            }
         }
-        if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8) {  // the previous ALU / FMA split
-            if (variant == 7) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 7>(a, false, stream);
+        if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
+            switch (variant) {
+                case 10: return launch_gemv_var<K, CB, PATH, NG, 0, 0>(a, stream);  // one k row per unit always
+                case 11: return launch_gemv_var<K, CB, PATH, NG, 0, 1>(a, stream);
+                case 12: return launch_gemv_var<K, CB, PATH, NG, 0, 2>(a, stream);
+                case 13: return launch_gemv_var<K, CB, PATH, NG, 0, 3>(a, stream);
+                case 14: return launch_gemv_var<K, CB, PATH, NG, 0, 4>(a, stream);
+                case 15: return launch_gemv_var<K, CB, PATH, NG, 0, 5>(a, stream);
+                case 16: return launch_gemv_var<K, CB, PATH, NG, 0, 6>(a, stream);
+                case 17: return launch_gemv_var<K, CB, PATH, NG, 0, 7>(a, stream);
+                default: break;
+            }
+            if constexpr (NG == 1) {  // two k rows per unit: too many registers for four groups
+                if (variant == 18) return launch_gemv_var<K, CB, PATH, NG, 0, 8>(a, stream);
+                if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
+                if (variant == 20) return launch_gemv_var<K, CB, PATH, NG, 0, 10>(a, stream);
+            }
         }
     }
-    if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
-        switch (variant) {
-            case 10: return launch_gemv_var<K, CB, PATH, NG, 0, 0>(a, stream);  // one k row per unit always
-            case 11: return launch_gemv_var<K, CB, PATH, NG, 0, 1>(a, stream);
-            case 12: return launch_gemv_var<K, CB, PATH, NG, 0, 2>(a, stream);
-            case 13: return launch_gemv_var<K, CB, PATH, NG, 0, 3>(a, stream);
-            case 14: return launch_gemv_var<K, CB, PATH, NG, 0, 4>(a, stream);
-            case 15: return launch_gemv_var<K, CB, PATH, NG, 0, 5>(a, stream);
-            case 16: return launch_gemv_var<K, CB, PATH, NG, 0, 6>(a, stream);
-            case 17: return launch_gemv_var<K, CB, PATH, NG, 0, 7>(a, stream);
-            default: break;
-        }
-        if constexpr (NG == 1) {  // two k rows per unit: too many registers for four groups
-            if (variant == 18) return launch_gemv_var<K, CB, PATH, NG, 0, 8>(a, stream);
-            if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
-            if (variant == 20) return launch_gemv_var<K, CB, PATH, NG, 0, 10>(a, stream);
-        }
-    }
+    if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     return launch_gemv_shipped<K, CB, PATH, NG, false>(a, variant == 10, stream);
 }
 }  // namespace trellis

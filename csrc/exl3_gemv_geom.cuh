@@ -12,6 +12,19 @@ namespace trellis {
 
 constexpr int kGvWarps = 8;
 
+// Debug variants (timing probes, occupancy configurations, earlier forms kept for A/Bs: the
+// `variant` of launch_gemv_ng and launch_gemv_f16) are built only where TRELLIS_DEBUG_VARIANTS is
+// defined, as the GPU tests and benchmarks ask (engine/ops/build.py). The build a user's first
+// model load waits for then compiles the shipped kernels alone: about half of the K = 4 file's
+// kernels are variants. Variant 10 (CFG 0 everywhere) and the block-shared modes 30 / 31 take
+// shipped kernels, so every build has them.
+#ifdef TRELLIS_DEBUG_VARIANTS
+constexpr bool kDebugVariants = true;
+#else
+constexpr bool kDebugVariants = false;
+#endif
+inline bool debug_variant_built(int variant) { return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31; }
+
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
 // blocks fit on an H200 SM and ~150 KB of trellis is in flight per SM. GPUs with less shared
 // memory per SM take the compact configuration instead (gv_pick).

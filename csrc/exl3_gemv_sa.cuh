@@ -285,8 +285,9 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
 // The fp16 path of the version-3 product for one K, codebook and group count.
 template <int K, int CB, int NG>
 cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
+    if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     if (sa_applies<K, NG>(a, variant)) {
-        if constexpr (K == 4 && CB == CB_MUL1) {  // the benchmark configurations
+        if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
             if (variant == 33) return launch_gemv_sa<K, CB, NG, 2>(a, stream);
             if (variant == 34) return launch_gemv_sa<K, CB, NG, 3>(a, stream);

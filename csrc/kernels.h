@@ -228,6 +228,8 @@ void set_gemv_finish_rows(int rows);
 // K = 8 on the integer path of an RTX 30/40/50 GPU), 1 on every GPU (a test knob), 2 never (as
 // before), 3 wherever two shipped blocks do not fit on an SM (RTX: 100 KB per SM; A100: 164 KB).
 void set_gemv_compact(int mode);
+// Whether this build has the products' debug variants (TRELLIS_DEBUG_VARIANTS; exl3_gemv_geom.cuh).
+bool debug_variants_built();
 // The configuration (CFG) a version-3 product of this shape takes on the per-warp kernel (not the
 // block-shared one, exl3_gemv_sa.cuh) and its block's shared memory, on this GPU (per_block 0) or
 // on one with the given limits (what cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor

@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# The GPU tests compare the products' debug variants (probes, configurations, earlier forms) with
+# the shipped kernels: build those too (engine/ops/build.py). CPU runs never build anything.
+os.environ.setdefault("TRELLIS_DEBUG_VARIANTS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TRELLIS_SHARED", ROOT.parent / "shared"))
 REF_FIXTURES = SHARED / "fixtures" / "exl3-ref"

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from engine import ops
 from engine.formats import exl3 as fmt
+from engine.errors import TrellisError
 from engine.ops import build
 
 
@@ -149,6 +150,40 @@ def test_needs_compile_looks_for_a_cached_build(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_prebuilt", lambda: True)
     (tmp_path / "sm89" / f"{build.EXT_NAME}.pyd").unlink()
     assert not build.needs_compile()
+
+
+def test_debug_variants_are_a_build_of_their_own(monkeypatch):
+    """TRELLIS_DEBUG_VARIANTS=1 (the GPU tests' and benchmarks' setting) adds the products' debug
+    variants to the build, under a cache key of its own; a user's build compiles the shipped
+    kernels alone."""
+    monkeypatch.setenv("TRELLIS_DEBUG_VARIANTS", "0")
+    assert "-DTRELLIS_DEBUG_VARIANTS" not in build.nvcc_flags(["89"])
+    plain = build.cache_dir("89")
+    monkeypatch.setenv("TRELLIS_DEBUG_VARIANTS", "1")
+    assert "-DTRELLIS_DEBUG_VARIANTS" in build.nvcc_flags(["89"])
+    assert build.cache_dir("89") != plain and build.cache_dir("89").name == plain.name + "-dbg"
+
+
+def test_a_debug_variant_missing_from_the_build_is_a_clear_error(monkeypatch):
+    """Asking a user's build (no debug variants) for a probe says how to get one; the variants
+    that take shipped kernels (10: one k row everywhere; 30 / 31: block-shared on / off) still run."""
+    set_to = []
+
+    class UserBuild:
+        def debug_variants_built(self):
+            return False
+
+        def set_mm_debug_variant(self, v):
+            set_to.append(v)
+
+    monkeypatch.setattr(ops, "extension", lambda: UserBuild())
+    with pytest.raises(TrellisError, match="TRELLIS_DEBUG_VARIANTS=1"):
+        with ops.debug_variant(7):
+            pass
+    assert set_to == []
+    with ops.debug_variant(10):
+        pass
+    assert set_to == [10, 0]
 
 
 def test_build_inputs_for_setup_py():

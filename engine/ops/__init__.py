@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.errors import TrellisError
 from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
 from engine.ops import dense_mlp as _dense_mlp
@@ -182,7 +183,11 @@ def extension():
         _ext.set_had_tiles(HAD_TILES)
         _ext.set_had_pipeline(HAD_PIPELINE)
         if _DEFAULT_VARIANT:
-            _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
+            if _ext.debug_variants_built() or _DEFAULT_VARIANT == 10:
+                _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
+            else:
+                print(f"trellis: TRELLIS_GV_VARIANT={_DEFAULT_VARIANT} ignored: these kernels were built without "
+                      "debug variants (TRELLIS_DEBUG_VARIANTS=1 builds them)", file=sys.stderr, flush=True)
     return _ext
 
 
@@ -191,11 +196,14 @@ def debug_variant(variant: int):
     """Run the products inside with a timing probe or configuration of the fused kernel (csrc/
     exl3_gemv.cuh: 1-3 probes, 10 + CFG configurations), then go back to the configured one."""
     ext = extension()
+    if variant not in (0, 10, 30, 31) and not ext.debug_variants_built():
+        raise TrellisError(f"debug variant {variant} is not in these kernels: build them with "
+                           "TRELLIS_DEBUG_VARIANTS=1 (the GPU tests and benchmarks set it)")
     ext.set_mm_debug_variant(variant)
     try:
         yield ext
     finally:
-        ext.set_mm_debug_variant(_DEFAULT_VARIANT)
+        ext.set_mm_debug_variant(_DEFAULT_VARIANT if ext.debug_variants_built() or _DEFAULT_VARIANT == 10 else 0)
 
 
 def _one_line(e: BaseException) -> str:

@@ -28,10 +28,19 @@ def extension_sources() -> list[str]:
     return [str(CSRC / "bindings.cpp"), *cu]
 
 
+def debug_variants() -> bool:
+    """TRELLIS_DEBUG_VARIANTS=1: also build the products' debug variants (timing probes, occupancy
+    configurations, earlier forms) that the GPU tests and benchmarks use. Off, the first-use build
+    compiles the shipped kernels alone, which roughly halves its largest file (exl3_mm_k4.cu)."""
+    return os.environ.get("TRELLIS_DEBUG_VARIANTS", "0") == "1"
+
+
 def nvcc_flags(archs: list[str] | None = None) -> list[str]:
     """nvcc flags; archs like ["80", "90"] (default: sm_80 + sm_90 machine code + sm_90 PTX)."""
     archs = archs or ["80", "90"]
     flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+    if debug_variants():
+        flags.append("-DTRELLIS_DEBUG_VARIANTS")
     for a in archs:
         flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
     flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
@@ -52,6 +61,8 @@ def cache_dir(arch: str) -> Path:
 
     root = Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis"))
     tag = f"torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}-{_source_hash()}"
+    if debug_variants():
+        tag += "-dbg"
     return root / "ext" / tag
 
 
