@@ -141,8 +141,8 @@ class MainWindow(QMainWindow):
                 # Without its kernels a GPU runs the PyTorch path: many times slower, and with
                 # dense weights. Said where the user looks, with the engine's reason on hover.
                 text += " · without CUDA kernels (slow)"
-                tip = (f"{why}\nThe engine runs the PyTorch path instead: much slower, and its fp16 weights "
-                       "take 16 / bpw times the memory of the EXL3 files.")
+                tip = (f"{why}\nThe engine runs the PyTorch path instead: much slower, and it keeps a dense "
+                       "fp16 copy of the weights, 16 / bpw times their size in the model folder, beside them.")
             self.model_label.setText(text)
             self.model_label.setToolTip(tip)
         else:

@@ -149,8 +149,8 @@ def extension():
             _ext_error = e
             # Said once, where the user of the CLI or the worker's log sees it: what follows runs
             # the PyTorch path, which a GPU user would otherwise only notice as slowness.
-            print(f"trellis: {_one_line(e)}; the PyTorch path runs instead (slower, and with dense fp16 "
-                  "weights: 16 / bpw times the memory of the EXL3 weights)", file=sys.stderr, flush=True)
+            print(f"trellis: {_one_line(e)}; the PyTorch path runs instead (slower, and with a dense fp16 "
+                  "copy of the weights beside them, 16 / bpw times their EXL3 size)", file=sys.stderr, flush=True)
             raise
         # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
@@ -183,7 +183,7 @@ def extension():
         _ext.set_had_tiles(HAD_TILES)
         _ext.set_had_pipeline(HAD_PIPELINE)
         if _DEFAULT_VARIANT:
-            if _ext.debug_variants_built() or _DEFAULT_VARIANT == 10:
+            if _configured_variant(_ext):
                 _ext.set_mm_debug_variant(_DEFAULT_VARIANT)
             else:
                 print(f"trellis: TRELLIS_GV_VARIANT={_DEFAULT_VARIANT} ignored: these kernels were built without "
@@ -203,7 +203,12 @@ def debug_variant(variant: int):
     try:
         yield ext
     finally:
-        ext.set_mm_debug_variant(_DEFAULT_VARIANT if ext.debug_variants_built() or _DEFAULT_VARIANT == 10 else 0)
+        ext.set_mm_debug_variant(_configured_variant(ext))
+
+
+def _configured_variant(ext) -> int:
+    """TRELLIS_GV_VARIANT where this build has it (10 takes shipped kernels, so every build does)."""
+    return _DEFAULT_VARIANT if ext.debug_variants_built() or _DEFAULT_VARIANT == 10 else 0
 
 
 def _one_line(e: BaseException) -> str:

@@ -133,11 +133,11 @@ class ModelHost:
                 advice = ("Try a smaller cache (shorter max_context), 8-bit or 4-bit cache, "
                           "or a lower-bpw version of the model.")
                 if info.kernels_note:
-                    # Without the kernels the weights load dense, 16 / bpw times their EXL3 size:
-                    # that, not the model, is what did not fit.
+                    # Without the kernels the weights also load as a dense fp16 copy, 16 / bpw times
+                    # their EXL3 size: that, more than the model, is what did not fit.
                     advice = (f"This GPU runs without the CUDA kernels ({info.kernels_note}), so the weights "
-                              "load as dense fp16, 16 / bpw times their size in the model folder; with the "
-                              "kernels (install the CUDA toolkit's nvcc) they stay compressed.")
+                              "also load as dense fp16, 16 / bpw times their size in the model folder; with "
+                              "the kernels (install the CUDA toolkit's nvcc) they stay compressed alone.")
                 failure = OutOfMemory(out_of_memory_message(device, step["what"], advice, e))
             else:
                 failure = WorkerError(f"cannot load {model_dir.name}: {type(e).__name__}: {e}",
