@@ -126,6 +126,10 @@ def test_kernel_obstacle_says_what_stands_in_the_way(monkeypatch):
     monkeypatch.setattr(build, "_prebuilt", lambda: False)
     monkeypatch.setattr(build, "_find_nvcc", lambda: None)
     assert build.kernel_obstacle().startswith("cannot build the CUDA kernels: nvcc not found")
+    assert "'nvidia-nvvm==12.*'" not in build.kernel_obstacle()  # CUDA 12 has no one-prefix wheels
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert "or its wheels, pip install 'nvidia-cuda-nvcc==13.*' 'nvidia-nvvm==13.*'" in build.kernel_obstacle()
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(build, "_find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
     assert build.kernel_obstacle() is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
@@ -134,6 +138,35 @@ def test_kernel_obstacle_says_what_stands_in_the_way(monkeypatch):
     assert build.kernel_obstacle() is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "need a CUDA GPU" in build.kernel_obstacle()
+
+
+def test_a_toolkit_from_pypi_wheels_stands_in_for_a_missing_one(monkeypatch, tmp_path):
+    """Without a system nvcc, CUDA 13's toolkit wheels (one prefix, site-packages/nvidia/cu13) are
+    found on sys.path and handed to torch's extension builder as CUDA_HOME, with a libcudart.so
+    link beside the build for its -lcudart; a CUDA 12 PyTorch does not take them. Without either,
+    the obstacle names the wheels to install."""
+    import torch.utils.cpp_extension as cpp
+
+    site = tmp_path / "site"
+    prefix = site / "nvidia" / "cu13"
+    for d in ("bin", "nvvm/bin", "include/crt", "lib"):
+        (prefix / d).mkdir(parents=True)
+    for f in ("bin/nvcc", "include/cuda_runtime.h", "lib/libcudart.so.13"):
+        (prefix / f).write_bytes(b"")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert build._find_nvcc() is None and "'nvidia-cuda-nvcc==13.*'" in build.pip_toolkit_hint()
+    monkeypatch.setattr(build.sys, "path", [str(tmp_path / "elsewhere"), str(site)])
+    assert build.pip_toolkit() == prefix and build._find_nvcc() == str(prefix / "bin" / "nvcc")
+    monkeypatch.setenv("CUDA_HOME", "")  # restored after the test: _use_pip_toolkit sets it
+    monkeypatch.setattr(cpp, "CUDA_HOME", None)
+    flags = build._use_pip_toolkit(prefix, tmp_path / "build")
+    assert cpp.CUDA_HOME == str(prefix) and flags == [f"-L{tmp_path / 'build' / 'cudart'}"]
+    assert (tmp_path / "build" / "cudart" / "libcudart.so").resolve() == (prefix / "lib" / "libcudart.so.13").resolve()
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert build.pip_toolkit() is None and build.pip_toolkit_hint() == ""
 
 
 def test_needs_compile_looks_for_a_cached_build(monkeypatch, tmp_path):

@@ -66,12 +66,65 @@ def cache_dir(arch: str) -> Path:
     return root / "ext" / tag
 
 
-def _find_nvcc() -> str | None:
+def _system_nvcc() -> str | None:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     for name in ("nvcc", "nvcc.exe"):
         if home and (Path(home) / "bin" / name).exists():
             return str(Path(home) / "bin" / name)
     return shutil.which("nvcc")
+
+
+def pip_toolkit() -> Path | None:
+    """A CUDA toolkit installed from PyPI, for machines without one. CUDA 13's wheels
+    (nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-crt, nvidia-cuda-runtime, nvidia-cuda-cccl) unpack
+    into one prefix, site-packages/nvidia/cu13, that works as CUDA_HOME (its nvcc compiles all of
+    csrc/). Only the CUDA major this PyTorch was built with will do."""
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major:
+        return None
+    for entry in sys.path:
+        prefix = Path(entry or ".") / "nvidia" / f"cu{major}"
+        if all((prefix / p).exists() for p in ("bin/nvcc", "nvvm/bin", "include/crt", "include/cuda_runtime.h")):
+            return prefix
+    return None
+
+
+def pip_toolkit_hint() -> str:
+    """How to install pip_toolkit's wheels for this PyTorch's CUDA ("" where none exist: before 13)."""
+    import torch
+
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major.isdigit() or int(major) < 13:
+        return ""
+    names = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-cccl")
+    return "pip install " + " ".join(f"'{n}=={major}.*'" for n in names)
+
+
+def _find_nvcc() -> str | None:
+    nvcc = _system_nvcc()
+    if nvcc is None and (prefix := pip_toolkit()) is not None:
+        nvcc = str(prefix / "bin" / "nvcc")
+    return nvcc
+
+
+def _use_pip_toolkit(prefix: Path, build_dir: Path) -> list[str]:
+    """Point torch's extension builder at a PyPI toolkit; the extra link flags it needs. The
+    builder reads CUDA_HOME from a module global set at its import. The toolkit's lib/ holds only
+    the versioned libcudart (libcudart.so.13), which the builder's -lcudart does not find: a link
+    named libcudart.so in the build folder stands in for it."""
+    import torch.utils.cpp_extension as cpp
+
+    os.environ["CUDA_HOME"] = str(prefix)
+    cpp.CUDA_HOME = str(prefix)
+    libs = build_dir / "cudart"
+    libs.mkdir(parents=True, exist_ok=True)
+    link = libs / "libcudart.so"
+    versioned = sorted((prefix / "lib").glob("libcudart.so.*"))
+    if versioned and not link.exists():
+        link.symlink_to(versioned[0])
+    return [f"-L{libs}"]
 
 
 def _prebuilt() -> bool:
@@ -102,8 +155,10 @@ def kernel_obstacle() -> str | None:
         return f"GPU compute capability {major}.{minor} is too old: the kernels need sm_80 or newer"
     if _find_nvcc() is not None:
         return None
-    return ("cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit, set CUDA_HOME, "
-            "or set TRELLIS_KERNELS=torch to use the slower PyTorch path)")
+    wheels = pip_toolkit_hint()
+    return ("cannot build the CUDA kernels: nvcc not found (install the CUDA toolkit" +
+            (f" or its wheels, {wheels}" if wheels else "") +
+            ", set CUDA_HOME, or set TRELLIS_KERNELS=torch to use the slower PyTorch path)")
 
 
 def needs_compile() -> bool:
@@ -140,12 +195,16 @@ def load_extension(verbose: bool = False):
         print(f"trellis: compiling CUDA kernels for sm_{arch} (once, cached in {build_dir}) ...", file=sys.stderr, flush=True)
     from torch.utils.cpp_extension import load
 
+    ldflags = []
+    if _system_nvcc() is None and (prefix := pip_toolkit()) is not None:
+        ldflags = _use_pip_toolkit(prefix, build_dir)
     try:
         ext = load(
             name=EXT_NAME,
             sources=extension_sources(),
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=nvcc_flags([arch]),
+            extra_ldflags=ldflags,
             build_directory=str(build_dir),
             verbose=verbose,
         )
