@@ -23,7 +23,9 @@ constexpr bool kDebugVariants = true;
 #else
 constexpr bool kDebugVariants = false;
 #endif
-inline bool debug_variant_built(int variant) { return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31; }
+inline bool debug_variant_built(int variant) {
+    return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31;
+}
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
 // blocks fit on an H200 SM and ~150 KB of trellis is in flight per SM. GPUs with less shared
