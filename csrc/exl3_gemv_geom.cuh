@@ -71,8 +71,6 @@ struct GvShape {
     static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
     static constexpr int MINB = gv_tune(CFG).minb;
     static constexpr int KR = gv_tune(CFG).kr;
-    template <int K>
-    static constexpr int stages() { return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>(); }
 };
 
 // Words of one k row in a stage (its tiles, then its activations unless the product preps its
@@ -96,7 +94,8 @@ __host__ __device__ constexpr int gv_stage_words() {
 constexpr int kGvCompact = 12;
 constexpr int kGvCompactBytes = 48 * 1024;
 
-// Ring stages per warp of a configuration.
+// Ring stages per warp of a configuration (the one place that says: the compact one's depth is
+// not its gv_tune entry's).
 template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
 __host__ __device__ constexpr int gv_ring_stages() {
     if constexpr (CFG == kGvCompact) {
@@ -105,7 +104,7 @@ __host__ __device__ constexpr int gv_ring_stages() {
         constexpr int fit = room / gv_stage_words<K, PATH, NG, CFG, SP>();
         return fit < shipped ? fit : shipped;
     } else {
-        return GvShape<PATH, NG, CFG>::template stages<K>();
+        return gv_tune(CFG).ns ? gv_tune(CFG).ns : gv_stages<K>();
     }
 }
 
