@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from engine import ops  # noqa: E402
 from engine.generate import SamplerSettings, generate  # noqa: E402
 from engine.generate.graph_decode import GraphDecoder, graph_decoder  # noqa: E402
 from engine.models import load_model  # noqa: E402
@@ -103,11 +104,15 @@ def test_decode_attention_kernel_serves_replayed_steps(fixture_model, monkeypatc
         assert same_top(a, b)
 
 
+@pytest.mark.parametrize("window_walk", [False, True])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_gemma2_soft_capped_steps_take_the_kernel(head_dim, tmp_path, monkeypatch):
+def test_gemma2_soft_capped_steps_take_the_kernel(head_dim, window_walk, tmp_path, monkeypatch):
     """Gemma 2's decode steps (soft-capped scores, a sliding window on alternate layers) run on
     the decode-attention kernel in fp16, and replay the logits of capped_attention (the kernel
-    switched off, the path every capped step took before session 20)."""
+    switched off, the path every capped step took before session 20). With ops.ATTN_WINDOW the
+    sliding layers walk only their 36-slot window of the 256-slot span, found from the position
+    on the device at each replay, as the position passes the window."""
+    monkeypatch.setattr(ops, "ATTN_WINDOW", window_walk)
     tf = pytest.importorskip("transformers")
     from tests.test_models_vs_transformers import TINY, _build
 

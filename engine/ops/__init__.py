@@ -345,6 +345,8 @@ class PendingRope:
     def serves(self, mask: torch.Tensor | None) -> bool:
         """Whether the attention kernel takes this token's RoPE and cache write along with the
         attention (the RoPE kernel's layouts and the attention kernel's)."""
+        if self.window and mask is None:  # the window walk leaves the slots past the token to the mask
+            return False
         return (ATTN_ROPE and _decode_attention_serves(self.q, self.keys, self.values, mask)
                 and _rope_kernel_serves(self.cos, self.sin, self.q.transpose(1, 2), self.k_new, self.v_new)
                 and self.k_new.stride() == self.v_new.stride() and self.k_new.data_ptr() % 16 == 0
