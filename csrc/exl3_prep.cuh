@@ -137,8 +137,10 @@ __device__ __forceinline__ uint2 norm_input(const PrepInput& in, int r, int k) {
 }
 
 // A double-normed input's residual sum for one lane's 4 values (PreNorm): rms_norm(x) * pre.w
-// given x's 1 / rms, then + residual, each rounded as the norm kernel and the prep round them,
-// so these are the bits a post-norm kernel and then a normed prep would add.
+// given x's 1 / rms, then + residual, each rounded as the norm kernel and the prep round them.
+// Given the same 1 / rms these are the bits a post-norm kernel and then a normed prep would add;
+// but x's 1 / rms is summed in the prep's order, not the norm kernel's, so in rare rows it differs
+// in its last bit and a value of the sum moves by an fp16 step (an emulation: ~1 value in 250k).
 __device__ __forceinline__ uint2 pre_normed_sum(const PrepInput& in, const PreNorm& pre, int r, int k, float pre_inv) {
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(pre.w + k));
     uint2 v = normed4(*reinterpret_cast<const uint2*>(in.x + (size_t)r * in.ldx + k), w, pre_inv);
@@ -342,8 +344,8 @@ __device__ __forceinline__ void prep_lane_xh(const PrepInput& in, const PrepWeig
 }
 
 // prep_lane_xh for a double-normed input (PreNorm): x is normed by pre.w first, with
-// x's 1 / rms inv.x (the bits pre_normed_sum gave block_row_inv2), then goes on as a normed
-// input with the sum's 1 / rms inv.y. pre_w: this lane's 4 weights of pre.w.
+// x's 1 / rms inv.x (the sum's values are the bits pre_normed_sum gave block_row_inv2), then goes
+// on as a normed input with the sum's 1 / rms inv.y. pre_w: this lane's 4 weights of pre.w.
 __device__ __forceinline__ void prep_lane_xh_pre(const PrepInput& in, const PrepWeights& wt, uint2 pre_w, int r,
                                                  int k, int lane, half2& o0, half2& o1, float2 inv,
                                                  bool write_sum) {

@@ -711,15 +711,21 @@ def test_norm_over_a_norm_computed_in_the_grouped_prep(monkeypatch):
     decode prep (ops.PREP_DOUBLE_NORM): the double-normed prep kernel runs and no rms_norm kernel
     does; the products equal those from the two norm kernels' output up to the order of the rows'
     sums of squares, and the residual stream is theirs to an fp16 rounding; for the fp16 and int8
-    paths, rows in one block and across blocks, and more rows than one fused pass. With the
-    setting off the inner norm runs as its kernel and the outer one in the prep, as before."""
-    members = [rand_layer(512, n, 4, "mul1", seed=520 + i) for i, n in enumerate((384, 128, 128))]
+    paths, rows in one block and across blocks, and more rows than one fused pass; a hidden size
+    of 512 and one of 2304, whose last 1,024-wide pass over a row is partial. With the setting off
+    the inner norm runs as its kernel and the outer one in the prep, as before."""
+    for hidden in (512, 2304):
+        _norm_over_a_norm_case(hidden, monkeypatch)
+
+
+def _norm_over_a_norm_case(hidden: int, monkeypatch):
+    members = [rand_layer(hidden, m, 4, "mul1", seed=520 + i) for i, m in enumerate((384, 128, 128))]
     g = ops.join_linears(members)
-    w = (torch.rand(512, device=DEV) + 0.5).half()
-    pw = (torch.rand(512, device=DEV) + 0.5).half()
+    w = (torch.rand(hidden, device=DEV) + 0.5).half()
+    pw = (torch.rand(hidden, device=DEV) + 0.5).half()
     for rows, int8 in ((1, False), (1, True), (3, True), (5, True), (40, False)):
-        x = torch.randn(1, rows, 512, device=DEV).half() * 4
-        r = torch.randn(1, rows, 512, device=DEV).half()
+        x = torch.randn(1, rows, hidden, device=DEV).half() * 4
+        r = torch.randn(1, rows, hidden, device=DEV).half()
         h, s = ops.add_rms_norm(ops.rms_norm(x, pw, 1e-6), r, w, 1e-5)
         want = ops.exl3_gemm_group(h, g, mode="fused", int8=int8)
         for on in (True, False):
