@@ -632,6 +632,7 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 void capped_softmax_(torch::Tensor scores, double softcap, c10::optional<torch::Tensor> mask, int64_t q0) {
     TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == torch::kHalf && scores.is_contiguous() && scores.dim() >= 2,
                 "capped_softmax_: scores must be a contiguous fp16 CUDA tensor [..., t, S]");
+    const c10::cuda::CUDAGuard guard(scores.device());  // the row limit is the scores' device's
     const int64_t S = scores.size(-1), t = scores.size(-2);
     TORCH_CHECK(S >= 1 && t >= 1 && S <= trellis::capped_softmax_max_len(),
                 "capped_softmax_: rows of 1 to ", trellis::capped_softmax_max_len(), " scores");
@@ -645,7 +646,6 @@ void capped_softmax_(torch::Tensor scores, double softcap, c10::optional<torch::
         m = reinterpret_cast<const uint8_t*>(mask->data_ptr());
         ld = mask->size(0) == 1 ? 0 : (long)mask->stride(0);
     }
-    const c10::cuda::CUDAGuard guard(scores.device());
     CHECK_CUDA_OK(trellis::capped_softmax(hptr_mut(scores), (long)(scores.numel() / S), (int)S, (float)softcap, m, ld,
                                           (int)t, (int)q0, at::cuda::getCurrentCUDAStream()));
 }

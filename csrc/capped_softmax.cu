@@ -22,7 +22,9 @@ constexpr float kCsLog2e = 1.4426950408889634f;
 // tanh(x) = 1 - 2 / (1 + e^2x) from the exp2 and reciprocal units (saturating to +-1, ~1e-7 from
 // tanhf near 0), where tanhf's ~20 instructions a score would make this kernel compute-bound.
 __device__ __forceinline__ float fast_tanh(float x) {
-    x = fminf(fmaxf(x, -10.f), 10.f);  // tanh(10) is 1 in fp32; e^2x stays finite
+    // tanh(10) is 1 in fp32, and e^2x stays finite. Comparisons, not fminf / fmaxf, which would
+    // turn a NaN score into -10: a NaN stays NaN and spreads over its row, as in the passes.
+    x = x > 10.f ? 10.f : (x < -10.f ? -10.f : x);
     return 1.f - __fdividef(2.f, 1.f + exp2f(2.f * kCsLog2e * x));
 }
 

@@ -84,10 +84,12 @@ def test_attention_with_a_softcap_on_the_cpu():
 def test_one_pass_capped_softmax_arithmetic_gives_the_passes():
     """The arithmetic of csrc/capped_softmax.cu, modelled here in torch (the GPU test runs the
     kernel itself): tanh as 1 - 2 / (1 + 2^(2x log2 e)) on x clamped to +-10 is within 2e-7 of
-    tanh, and changes its fp16 rounding on about 1e-4 of inputs; with the kernel's roundings (fp16
-    after tanh and after the cap's product, -inf where masked, an exp2 softmax in fp32) the
-    probabilities are capped_attention's four passes' to 1e-5 but for one in 1,000 at most,
-    which an fp16 step of either may move (at most 2e-3)."""
+    tanh, and changes its fp16 rounding on about 1e-4 of inputs spread over [-12, 12] (more, up to
+    a few percent, of the small scores real models have, where fp16's steps are finer: each such
+    change is one fp16 step); with the kernel's roundings (fp16 after tanh and after the cap's
+    product, -inf where masked, an exp2 softmax in fp32) the probabilities are capped_attention's
+    four passes' to 1e-5 but for one in 1,000 at most, which an fp16 step of either may move (at
+    most 2e-3)."""
     log2e = 1.4426950408889634
 
     def one_pass(scores, cap, allowed):

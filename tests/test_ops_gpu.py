@@ -901,6 +901,8 @@ def test_capped_attention_on_the_kernel_is_the_passes(monkeypatch):
         outs = {}
         for on in (True, False):
             monkeypatch.setattr(ops, "CAPPED_SOFTMAX", on)
+            names = kernel_names(lambda: capped_attention(q, k, v, mask, 256 ** -0.5, 50.0, scores_bytes=budget))
+            assert any("capped_softmax_kernel" in n for n in names) == on, names  # not the passes twice
             outs[on] = capped_attention(q, k, v, mask, 256 ** -0.5, 50.0, scores_bytes=budget)
         assert rel_rms(outs[True], outs[False]) < 2e-3
 

@@ -769,15 +769,17 @@ def capped_softmax_(scores: torch.Tensor, softcap: float, mask: torch.Tensor | N
     capped_attention's passes round them; mask bool [T or 1, S] (the chunk's queries are rows q0 ..
     q0 + t - 1) or None. False (scores untouched) where it does not serve: the caller runs the
     passes."""
-    if not (CAPPED_SOFTMAX and _use_cuda(scores) and scores.dim() >= 2 and scores.is_contiguous()):
+    if not (CAPPED_SOFTMAX and _use_cuda(scores) and scores.dim() >= 2 and scores.is_contiguous()
+            and scores.numel() > 0):
         return False
     S, t = scores.shape[-1], scores.shape[-2]
     if mask is not None and not (mask.dtype == torch.bool and mask.dim() == 2 and mask.shape[-1] == S and mask.is_cuda
                                  and (mask.shape[0] == 1 or q0 + t <= mask.shape[0]) and mask.stride(-1) == 1):
         return False
     ext = extension()
-    if S > ext.capped_softmax_max_len():
-        return False
+    with torch.cuda.device(scores.device):  # the row limit is the scores' device's
+        if S > ext.capped_softmax_max_len():
+            return False
     ext.capped_softmax_(scores, float(softcap), mask, int(q0))
     return True
 
