@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.models import load_model  # noqa: E402
-from tests.gpu_layers import replayed_logits, same_top, static_steps, step_kernel_names  # noqa: E402
+from tests.gpu_layers import rel_rms, replayed_logits, same_top, static_steps, step_kernel_names  # noqa: E402
 from tests.test_static_cache import decode_logits  # noqa: E402
 
 
@@ -36,10 +36,13 @@ def qwen3_path(tmp_path_factory):
     return path
 
 
-def test_qwen3_head_norms_run_in_the_attention_kernel_with_the_same_bits(qwen3_path, monkeypatch):
+def test_qwen3_head_norms_run_in_the_attention_kernel(qwen3_path, monkeypatch):
     """With ops.ATTN_HEAD_NORMS, a step's q and k norms launch no kernel of their own (the final
-    norm is the step's only rms_norm), and the logits of every step equal, bit for bit, those with
-    the norms and the RoPE as kernels of their own (the setting off)."""
+    norm is the step's only rms_norm), and the logits of every step are those with the norms and
+    the RoPE as kernels of their own (the setting off), to the run-to-run noise of the products'
+    split-k atomics (the kernel-level test, test_attention_with_pending_rope_is_rope_then_attention,
+    checks the norms' bits). A first GPU run (session 23) found these logits ~1e-3 apart, not
+    equal: bit equality across whole steps was the wrong claim."""
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
     model = load_model(qwen3_path, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(3)).cuda()
@@ -55,7 +58,7 @@ def test_qwen3_head_norms_run_in_the_attention_kernel_with_the_same_bits(qwen3_p
     assert sum("rms_norm_kernel" in n for n in names) == 2 * len(model.layers) + 1
     assert len(fused) == len(apart) == 7
     for a, b in zip(fused[1:], apart[1:]):
-        assert torch.equal(a, b)
+        assert rel_rms(a, b) < 1e-2 and same_top(a, b)
 
 
 @pytest.mark.parametrize("in_attention", [True, False])
