@@ -836,7 +836,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("debug_variants_built", &trellis::debug_variants_built,
           "whether this build has the products' debug variants (built with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,
-          "products on a ring that fits two blocks in 100 KB per SM: 0 where the shipped block cannot launch (default), 1 always, 2 never, 3 where two shipped blocks do not fit on an SM");
+          "products on a ring that fits two blocks in 100 KB per SM: 3 where two shipped blocks do not fit on an SM (default), 0 where the shipped block cannot launch, 1 always, 2 never");
     m.def("gemv_plan",
           [](int64_t K, bool int8, int64_t rows, bool self_prep, bool chain, int64_t in, int64_t out, int64_t num_sms,
              int64_t per_block, int64_t per_sm, int64_t reserved) {

@@ -142,15 +142,15 @@ inline bool gv_fits(long bytes, int minb, const SmemLimits& lim) {
     return bytes <= lim.per_block && minb * (bytes + lim.reserved) <= lim.per_sm;
 }
 
-// When a product takes the compact configuration (set_gemv_compact): kGvCompactNeeded (default)
-// only where the shipped block cannot launch at all (K = 8 on the integer path of an RTX GPU);
-// kGvCompactAlways where an instantiation has one (a test knob: the H200 then runs what an RTX GPU
-// would); kGvCompactNever (the shipped rings everywhere, as before it existed); kGvCompactTwoBlocks
-// wherever the shipped block does not fit twice on an SM (the intended default, once a GPU run
-// has checked the compact kernels: until then GPUs other than the H200 keep the rings they had).
+// When a product takes the compact configuration (set_gemv_compact): kGvCompactTwoBlocks (default)
+// wherever the shipped block does not fit twice on an SM (RTX 30/40/50, some A100 products; never
+// on an H200); kGvCompactNeeded only where the shipped block cannot launch at all (K = 8 on the
+// integer path of an RTX GPU); kGvCompactAlways where an instantiation has one (a test knob: the
+// H200 then runs what an RTX GPU would; session 23's GPU run checked the compact kernels so);
+// kGvCompactNever (the shipped rings everywhere, as before it existed).
 constexpr int kGvCompactNeeded = 0, kGvCompactAlways = 1, kGvCompactNever = 2, kGvCompactTwoBlocks = 3;
 inline int& gemv_compact() {
-    static int v = kGvCompactNeeded;
+    static int v = kGvCompactTwoBlocks;
     return v;
 }
 

@@ -271,7 +271,7 @@ bool gemv_self_prep(const MmArgs& a) {
     return (rows - 1) / 8 + 2 <= kSpSlots;
 }
 bool debug_variants_built() { return kDebugVariants; }
-void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactNeeded; }
+void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactTwoBlocks; }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }

@@ -223,10 +223,11 @@ void set_gemv_shared_acts(int mode);
 // Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
 // (default), or 1 (row by row, the earlier order; a benchmark baseline).
 void set_gemv_finish_rows(int rows);
-// Where a version-3 product takes a ring smaller than the shipped one (exl3_gemv_geom.cuh): 0
-// (default) only where the shipped block cannot launch (more shared memory than a block may have:
-// K = 8 on the integer path of an RTX 30/40/50 GPU), 1 on every GPU (a test knob), 2 never (as
-// before), 3 wherever two shipped blocks do not fit on an SM (RTX: 100 KB per SM; A100: 164 KB).
+// Where a version-3 product takes a ring smaller than the shipped one (exl3_gemv_geom.cuh): 3
+// (default) wherever two shipped blocks do not fit on an SM (RTX: 100 KB per SM; A100: 164 KB;
+// never on an H200), 0 only where the shipped block cannot launch (more shared memory than a block
+// may have: K = 8 on the integer path of an RTX 30/40/50 GPU), 1 on every GPU (a test knob), 2
+// never (as before).
 void set_gemv_compact(int mode);
 // Whether this build has the products' debug variants (TRELLIS_DEBUG_VARIANTS; exl3_gemv_geom.cuh).
 bool debug_variants_built();

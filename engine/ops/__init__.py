@@ -72,11 +72,11 @@ OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 
 # Where a product takes the compact ring, which fits two blocks in an SM of 100 KB (csrc/
-# exl3_gemv_geom.cuh; the shipped rings are sized for the H200's 228 KB): TRELLIS_GV_COMPACT = 0
-# (default) only where the shipped block cannot launch at all, 1 always (a test knob), 2 never, 3
-# wherever two shipped blocks do not fit on an SM (RTX 30/40/50, A100). 3 is meant to become the
-# default once a GPU run has checked the compact kernels (written in session 23, which had none).
-GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "0") or 0)
+# exl3_gemv_geom.cuh; the shipped rings are sized for the H200's 228 KB): TRELLIS_GV_COMPACT = 3
+# (default) wherever two shipped blocks do not fit on an SM (RTX 30/40/50, some A100 products;
+# never on an H200), 0 only where the shipped block cannot launch at all, 1 always (a test knob;
+# session 23's GPU run checked the compact kernels so), 2 never.
+GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
