@@ -2,6 +2,13 @@
 what to do; the CLI prints `str(error)` and exits non-zero instead of a traceback."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name if it has none): what a
+    one-line report of someone else's error can show."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class TrellisError(Exception):
     """Base class: anything the user can fix (bad input, impossible settings)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.errors import TrellisError
+from engine.errors import TrellisError, first_line
 from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
 from engine.ops import dense_mlp as _dense_mlp
@@ -149,7 +149,7 @@ def extension():
             _ext_error = e
             # Said once, where the user of the CLI or the worker's log sees it: what follows runs
             # the PyTorch path, which a GPU user would otherwise only notice as slowness.
-            print(f"trellis: {_one_line(e)}; the PyTorch path runs instead (slower, and with a dense fp16 "
+            print(f"trellis: {first_line(e)}; the PyTorch path runs instead (slower, and with a dense fp16 "
                   "copy of the weights beside them, 16 / bpw times their EXL3 size)", file=sys.stderr, flush=True)
             raise
         # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
@@ -211,11 +211,6 @@ def _configured_variant(ext) -> int:
     return _DEFAULT_VARIANT if ext.debug_variants_built() or _DEFAULT_VARIANT == 10 else 0
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def kernels_settled() -> bool:
     """Whether the extension was already loaded, or failed to, in this process: the next
     extension() call then costs nothing."""
@@ -240,7 +235,7 @@ def kernel_status(device: torch.device | str) -> KernelStatus:
         return KernelStatus("torch", f"TRELLIS_KERNELS={os.environ.get('TRELLIS_KERNELS', '')} is set")
     if kernels_available(device):
         return KernelStatus("cuda")
-    return KernelStatus("torch", _one_line(_ext_error) if _ext_error is not None else "no CUDA device is available")
+    return KernelStatus("torch", first_line(_ext_error) if _ext_error is not None else "no CUDA device is available")
 
 
 def kernels_available(device: torch.device | str | None = None) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from engine.errors import TrellisError
+from engine.errors import TrellisError, first_line
 from engine.worker.protocol import (DeviceMemory, ErrorCode, FinishReason, Generate, GenerationStats, Load,
                                     ModelInfo)
 
@@ -57,7 +57,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory_message(device: str, what: str, advice: str, error: BaseException) -> str:
-    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    detail = first_line(error)
     if len(detail) > 160:
         detail = detail[:157] + "..."
     return f"Out of memory on {device} while {what} ({detail}). {advice}"
