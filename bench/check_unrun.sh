@@ -1,20 +1,22 @@
 #!/bin/bash
-# GPU checks for work that landed without a GPU run (sessions 21-23 had no device), in two or
-# three device calls, each with .devcarry/shared carried (see gpu_session.sh):
+# GPU checks and A/Bs for the features sessions 21-23 wrote without a GPU (run in sessions 23 and
+# 24, which set the defaults from them: csrc/PERF_NOTES.md), in two or three device calls, each
+# with .devcarry/shared carried (see gpu_session.sh):
 #   bash bench/check_unrun.sh 1   the build, the whole GPU suite (which forces every feature below
 #                                 on where it tests it), Qwen3 decode, attention alone at head dim 256;
 #   bash bench/check_unrun.sh 2   Gemma 2 decode A/Bs (SKIP_GPU_TESTS=1 is set: part 1 ran them);
-#   bash bench/check_unrun.sh 3   Gemma 3 decode, every feature on against every one off (optional).
-# Each feature is measured against its own off switch in the same process:
-# - Qwen3's q/k norms inside decode attention (ops.ATTN_HEAD_NORMS, off by default; session 21);
-# - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, off; session 21);
-# - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off; session 22);
-# - the attention -> o_proj chain at head dim 256 (session 22; rides on ATTN_MMA_D256);
-# - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, off; session 22);
-# - sliding-window layers' decode walking only their window (ops.ATTN_WINDOW, off; session 22);
+#   bash bench/check_unrun.sh 3   the compact ring's cost on the H200, Gemma 3 decode all on / off.
+# Each feature is measured against its own switch in the same process:
+# - Qwen3's q/k norms inside decode attention (ops.ATTN_HEAD_NORMS, on; session 21);
+# - head dim 256 (Gemma) on the tensor-core decode walk (ops.ATTN_MMA_D256, on; session 21);
+# - Gemma's post-norms inside the next product's prep (ops.PREP_DOUBLE_NORM, off: slower; session 22);
+# - the attention -> o_proj chain at head dim 256 (ops.ATTN_CHAIN_D256, off: slower; session 22;
+#   session 24 measured it as "+nochain", Gemma's only chain link);
+# - Gemma 2's prefill attention probabilities in one kernel (ops.CAPPED_SOFTMAX, on; session 22);
+# - sliding-window layers' decode walking only their window (ops.ATTN_WINDOW, on; session 22);
 # - the products' compact ring for GPUs with less shared memory (ops.GV_COMPACT; session 23): part
 #   1's suite forces it on the H200 (tests/test_gemv_compact_gpu.py), part 3 times it.
-# Turn a default on only if its tests pass and it measures faster. About 5-8 minutes a part.
+# About 5-8 minutes a part.
 part=${1:-1}
 [ "$part" != 1 ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
@@ -35,10 +37,10 @@ for one in 0 256 512; do  # one split up to 128 (the shipped rule at 256), never
 done
 elif [ "$part" = 2 ]; then
 timeout 90 python3 -m bench.synth --shape gemma2-9b --bits 4 --out /tmp/g9b --device cuda 2>&1 | tail -1 | tee -a $L
-# One process, one model load, each path twice: the tensor-core walk at head dim 256 / the scalar
-# walk; the walk without its o_proj chain; the post-norms in the next prep / as kernels.
+# One process, one model load, each path twice: the tensor-core walk at head dim 256 with its o_proj
+# chain / the scalar walk / the tensor-core walk without the chain; the post-norms in the next prep / as kernels.
 echo "== gemma 2 decode A/Bs $(( $(date +%s)-t0 ))s" | tee -a $L
-P="cuda-graph-pipelined+attnmmad256 cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256+nochain \
+P="cuda-graph-pipelined+attnmmad256+attnchaind256 cuda-graph-pipelined+noattnmmad256 cuda-graph-pipelined+attnmmad256+noattnchaind256 \
   cuda-graph-pipelined+doublenorm cuda-graph-pipelined+nodoublenorm"
 timeout 360 python3 -m bench.decode --model-dir /tmp/g9b --contexts 0 4096 --tokens 96 --paths $P $P 2>&1 | grep tokens_per_s | cut -c1-200 | tee -a $L
 # Past Gemma 2's 4,096-slot window: the sliding layers walk their window / the whole span.

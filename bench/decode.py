@@ -272,7 +272,9 @@ def main(argv=None) -> int:
                          "integer path up to 4 rows on / off), cuda-graph-sdpa (SDPA for decode attention), cuda-graph-noattnrope "
                          "(a RoPE kernel before decode attention), cuda-graph-attnnorms / -noattnnorms (Qwen3's q/k norms "
                          "in decode attention / as kernels of their own, with the RoPE), cuda-graph-attnmmad256 / "
-                         "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), cuda-graph-doublenorm / "
+                         "-noattnmmad256 (head dim 256 on the tensor-core / scalar walk), cuda-graph-attnchaind256 / "
+                         "-noattnchaind256 (at head dim 256 the attention kernel writes o_proj's input / o_proj "
+                         "preps its own), cuda-graph-doublenorm / "
                          "-nodoublenorm (Gemma's post-norms in the next product's prep / as kernels of their own), "
                          "cuda-graph-attnwindow / -noattnwindow (sliding-window layers walk their window's slots / "
                          "the whole span), "
@@ -310,6 +312,7 @@ def main(argv=None) -> int:
     loaded = {}
     int8_default, attn_default, attn_rope_default = ops.INT8_MAX_ROWS, ops.ATTN_KERNEL, ops.ATTN_ROPE
     attn_norms_default, double_norm_default, window_default = ops.ATTN_HEAD_NORMS, ops.PREP_DOUBLE_NORM, ops.ATTN_WINDOW
+    chain_d256_default = ops.ATTN_CHAIN_D256
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
     for path in args.paths:
@@ -344,6 +347,8 @@ def main(argv=None) -> int:
         ops.PREP_DOUBLE_NORM = pick({"cuda-graph-doublenorm": True, "cuda-graph-nodoublenorm": False},
                                     double_norm_default)
         ops.ATTN_WINDOW = pick({"cuda-graph-attnwindow": True, "cuda-graph-noattnwindow": False}, window_default)
+        ops.ATTN_CHAIN_D256 = pick({"cuda-graph-attnchaind256": True, "cuda-graph-noattnchaind256": False},
+                                   chain_d256_default)
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
         if path != "torch":

@@ -823,7 +823,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_attn_mma_slots", &trellis::set_attn_mma_slots,
           "decode attention (D = 64 or 128) walks its keys on the tensor cores from spans of this many slots (default 1: all; 0: never)");
     m.def("set_attn_mma_d256", &trellis::set_attn_mma_d256,
-          "decode attention at head dim 256 walks its keys on the tensor cores too (default off: not yet run on a GPU)");
+          "decode attention at head dim 256 walks its keys on the tensor cores too (default on)");
     m.def("set_attn_mma_stages", &trellis::set_attn_mma_stages,
           "the tensor-core walk's ring stages per warp: 0 (default) the most that fit, up to 3; 2 or 3 where they fit");
     m.def("set_attn_mma_one_split", &trellis::set_attn_mma_one_split,

@@ -403,7 +403,7 @@ static int& attn_mma_one_split() {
 void set_attn_mma_one_split(int slots) { attn_mma_one_split() = slots > 0 ? slots : 0; }
 
 static bool& attn_mma_d256() {
-    static bool enabled = false;
+    static bool enabled = true;  // measured faster on Gemma 2 decode (session 24); engine.ops sets it
     return enabled;
 }
 void set_attn_mma_d256(bool enabled) { attn_mma_d256() = enabled; }

@@ -130,10 +130,11 @@ def test_normed_chain_then_gated_chain_then_normed_chain(chains):
 
 @pytest.mark.parametrize("heads,kv_heads,slots", [(32, 8, 300), (4, 2, 17), (8, 8, 1000)])
 @pytest.mark.parametrize("D", [128, 256])
-def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, request):
+def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, request, monkeypatch):
     """The decode attention kernel writes o_proj's int8 input from its own output bits: a head of
     128 is one input chunk, a head of 256 (Gemma) two, which only the tensor-core walk writes (on
-    here: ops.ATTN_MMA_D256); with head dim 256 on the scalar walk the chain declines."""
+    here: ops.ATTN_MMA_D256) and only where ops.ATTN_CHAIN_D256 asks (off by default, on here);
+    with head dim 256 on the scalar walk, or that setting off, the chain declines."""
     ext = ops.extension()
     request.addfinalizer(lambda: ext.set_attn_mma_d256(ops.ATTN_MMA_D256))
     g = torch.Generator(device=DEV).manual_seed(heads + slots)
@@ -144,6 +145,10 @@ def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, reque
     mask[0, slots // 2:] = float("-inf")
     o = rand_layer(heads * D, 1024, 4, heads, bias=True)
     if D == 256:
+        ext.set_attn_mma_d256(True)
+        monkeypatch.setattr(ops, "ATTN_CHAIN_D256", False)
+        assert ops.attention_into_chain(q, k, v, mask, 0.0625, o, 1000) is None
+        monkeypatch.setattr(ops, "ATTN_CHAIN_D256", True)
         ext.set_attn_mma_d256(False)
         assert ops.attention_into_chain(q, k, v, mask, 0.0625, o, 1000) is None
         ext.set_attn_mma_d256(True)

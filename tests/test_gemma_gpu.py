@@ -52,8 +52,9 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
     post-norms before them: ops.PREP_DOUBLE_NORM), the prefill's norm passes and Gemma 2's capped
     attention probabilities (in one kernel, turned on here: ops.CAPPED_SOFTMAX), and
     graph-replayed decode steps (the decode kernel with Gemma 2's soft cap, or with Gemma 3's q/k
-    norms and local rope; at head dim 256 writing o_proj's input) give the CPU reference path's
-    logits (fp16 kernels against fp32 reference math, the bound of the fixture models' test)."""
+    norms and local rope; at head dim 256 writing o_proj's input, ops.ATTN_CHAIN_D256, on here)
+    give the CPU reference path's logits (fp16 kernels against fp32 reference math, the bound of
+    the fixture models' test)."""
     from dataclasses import replace
 
     from bench.synth import SHAPES, write_synth_model
@@ -67,6 +68,7 @@ def test_exl3_gemma_on_the_kernels_matches_the_cpu_reference(tmp_path, name, hea
     monkeypatch.setattr(ops, "ATTN_HEAD_NORMS", True)
     monkeypatch.setattr(ops, "PREP_DOUBLE_NORM", True)
     monkeypatch.setattr(ops, "CAPPED_SOFTMAX", True)
+    monkeypatch.setattr(ops, "ATTN_CHAIN_D256", True)
     path = write_synth_model(tmp_path / "g", shape, 4.0, head_bits=6, device="cuda")
     cpu = load_model(path, device="cpu", dtype=torch.float32)
     gpu = load_model(path, device="cuda")

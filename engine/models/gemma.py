@@ -48,9 +48,9 @@ class GemmaLayer(nn.Module):
         self.post_feedforward_layernorm = load.norm(f"{key}.post_feedforward_layernorm", h, eps, unit_offset=True)
         # One decode row: the attention kernel may write o_proj's input (engine/ops/chain.py), o_proj
         # then launched by the norm that reads it. Head dim 256 only, where that rides on the
-        # tensor-core walk (ops.ATTN_MMA_D256, off until a GPU run has checked it): at head dim 128
-        # (the 27B models) the chain with Gemma's soft cap or q/k norms has not run on a GPU yet,
-        # so those keep o_proj's prep kernel.
+        # tensor-core walk and ops.ATTN_CHAIN_D256 (off: measured slower than o_proj's own prep,
+        # session 24): at head dim 128 (the 27B models) the chain with Gemma's soft cap or q/k
+        # norms has not run on a GPU yet, so those keep o_proj's prep kernel.
         self.self_attn.defer_output = c.head_dim == 256
 
     def forward(self, x, cos, sin, mask, cache):

@@ -105,10 +105,14 @@ ATTN_MMA_SLOTS = int(os.environ.get("TRELLIS_ATTN_MMA_SLOTS", "1") or 0)
 # Up to how many slots the tensor-core walk takes one split (the extension's default; benchmarks
 # and tests that change it restore this).
 ATTN_MMA_ONE_SPLIT = 256
-# Head dim 256 (Gemma) on the tensor-core walk too, in steps of 8 keys (TRELLIS_ATTN_MMA_D256=1).
-# Off by default until a GPU run has checked it (written in session 21, which had none); the
-# scalar walk serves head dim 256 otherwise.
-ATTN_MMA_D256 = os.environ.get("TRELLIS_ATTN_MMA_D256", "0") == "1"
+# Head dim 256 (Gemma) on the tensor-core walk too, in steps of 8 keys: on by default (Gemma 2
+# decode 2.8% faster at context 0, 4.9% at 4,096; session 24); TRELLIS_ATTN_MMA_D256=0 keeps the
+# scalar walk for head dim 256.
+ATTN_MMA_D256 = os.environ.get("TRELLIS_ATTN_MMA_D256", "1") != "0"
+# At head dim 256 the tensor-core walk can also write o_proj's input (engine/ops/chain.py, the attn
+# link), but Gemma 2 decoded 2-2.5% slower with that than with o_proj's own prep (session 24), so
+# it is off unless TRELLIS_ATTN_CHAIN_D256=1. Head dim 128 chains wherever TRELLIS_CHAIN has attn.
+ATTN_CHAIN_D256 = os.environ.get("TRELLIS_ATTN_CHAIN_D256", "0") == "1"
 
 # Decode attention over short caches gives each warp one load of 16 keys while that takes at most
 # this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
@@ -302,15 +306,15 @@ _counters: dict = {}
 # RoPE kernel (benchmarks' same-run ratio).
 ATTN_ROPE = os.environ.get("TRELLIS_ATTN_ROPE", "1") != "0"
 # The kernel can also take the per-head q/k norms that come before that RoPE (Qwen3, Gemma 3): two
-# norm kernels fewer per layer, the same bits. Off by default until a GPU run has checked it
-# (written in session 21, which had none: csrc/PERF_NOTES.md); TRELLIS_ATTN_HEAD_NORMS=1 turns it
-# on. Off, the norms run as norm kernels before the attention kernel, which still does the RoPE.
-ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "0") == "1"
+# norm kernels fewer per layer, the same bits. On by default (Qwen3-8B-shaped decode 1% faster at
+# context 0, 2.5% at 4,096; session 23); TRELLIS_ATTN_HEAD_NORMS=0 runs the norms as norm kernels
+# before the attention kernel, which still does the RoPE.
+ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "1") != "0"
 # A sliding-window layer's decode step walks only its window's slots of the cache span, not the
 # whole span behind a mask (Gemma 2 and 3, Mistral-style windows; the larger the context past the
-# window, the more it saves). Off by default until a GPU run has checked it (written in session
-# 22, which had none); TRELLIS_ATTN_WINDOW=1 turns it on.
-ATTN_WINDOW = os.environ.get("TRELLIS_ATTN_WINDOW", "0") == "1"
+# window, the more it saves). On by default (Gemma 2 decode at 7,680 slots 1.2% faster; session
+# 24); TRELLIS_ATTN_WINDOW=0 walks the whole span.
+ATTN_WINDOW = os.environ.get("TRELLIS_ATTN_WINDOW", "1") != "0"
 
 _attn_counters: dict = {}
 

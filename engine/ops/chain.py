@@ -147,14 +147,14 @@ def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                          softcap: float | None = None) -> "tuple[torch.Tensor, Deferred] | None":
     """One decode step's attention (ops.decode_attention, with the step's RoPE where `rope`) whose
     kernel also writes o_proj's int8 input, and o_proj on it as a Deferred: no prep kernel for
-    o_proj. q [1, H, 1, D]: D = 128, or 256 (Gemma) where the tensor-core walk takes it (the
-    extension's decode_attention_chain_serves; ops.ATTN_MMA_D256). None where the chain does not
-    serve (the caller runs the plain path)."""
+    o_proj. q [1, H, 1, D]: D = 128, or 256 (Gemma) with ops.ATTN_CHAIN_D256 where the tensor-core
+    walk takes it (the extension's decode_attention_chain_serves; ops.ATTN_MMA_D256). None where
+    the chain does not serve (the caller runs the plain path)."""
     B, H, T, D = q.shape
     n = H * D
     if not (B == 1 and T == 1 and D in (128, 256) and _takes_prepared(o, n, q.device, "attn")
             and ops._decode_attention_serves(q, k, v, mask)
-            and (D == 128 or ops.extension().decode_attention_chain_serves(k, v))):
+            and (D == 128 or (ops.ATTN_CHAIN_D256 and ops.extension().decode_attention_chain_serves(k, v)))):
         return None
     target = PreparedInput.empty(1, n, q.device)
     out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope, softcap)
