@@ -23,6 +23,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               default); both without decode chains, as is -noprep
   cuda-graph-fourrows<N>  cuda-graph with four k rows per unit in products of at least N k-row
               quads per resident warp (TRELLIS_GV_FOUR_ROW_UNITS picks the default)
+  cuda-graph-leanN  cuda-graph with products that would take one k row per unit taking the
+              compact ring below N units per resident warp (TRELLIS_GV_LEAN_UNITS picks the
+              default; lean0: never)
   cuda-graph-torchargmax  cuda-graph with each token picked by torch.argmax (two launches) instead
               of ops.argmax (one kernel), as before session 13
   cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
@@ -283,7 +286,8 @@ def main(argv=None) -> int:
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
-                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-torchargmax (tokens "
+                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-lean<N> (the compact ring "
+                         "below N units per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
                          "cuda-graph-pipelined (each step queued before the host reads the token before it), "
                          "cuda-graph-X+Y (both settings), "
@@ -362,6 +366,7 @@ def main(argv=None) -> int:
             ops.extension().set_prep_skip("cuda-graph-noprep" in names)
             ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))
             ops.extension().set_gemv_four_row_units(pick_number("fourrows", ops.FOUR_ROW_UNITS))
+            ops.extension().set_gemv_lean_units(pick_number("lean", ops.GV_LEAN_UNITS))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)

@@ -833,10 +833,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
-    m.def("debug_variants_built", &trellis::debug_variants_built,
-          "whether this build has the products' debug variants (built with TRELLIS_DEBUG_VARIANTS=1)");
+    m.def("debug_variant_built", &trellis::debug_variant_in_build,
+          "whether this build has this debug variant of the products (all with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,
           "products on a ring that fits two blocks in 100 KB per SM: 3 where two shipped blocks do not fit on an SM (default), 0 where the shipped block cannot launch, 1 always, 2 never");
+    m.def("set_gemv_lean_units", &trellis::set_gemv_lean_units,
+          "products that would take one k row per unit with fewer units than this per resident warp take the compact ring (default 0: never)");
     m.def("gemv_plan",
           [](int64_t K, bool int8, int64_t rows, bool self_prep, bool chain, int64_t in, int64_t out, int64_t num_sms,
              int64_t per_block, int64_t per_sm, int64_t reserved) {

@@ -154,10 +154,25 @@ inline int& gemv_compact() {
     return v;
 }
 
+// Small products on the compact ring on every GPU (set_gemv_lean_units; off by default until its
+// GPU tests have run): a product that would take CFG 0 with fewer than this many units per
+// resident warp (two blocks of 8 warps per SM) takes the compact one instead (unless
+// gemv_compact is kGvCompactNever); 0: never. 16 covers the shapes below. On the H200
+// at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp) and o_proj (4) ran 8% and 14%
+// faster so, while a deep ring still paid at 8192x28672 at 8 rows (108 per warp: 18% slower
+// compact; csrc/PERF_NOTES.md, session 24). Why is not established: a small product's grid gives
+// each warp 8 units (gv_blocks), which an 8-stage ring requests all at once, and the smaller
+// block leaves the SM more L1.
+inline int& gemv_lean_units() {
+    static int v = 0;
+    return v;
+}
+
 // The configuration a product takes, its block's shared memory, and how many of its blocks fit on
 // an SM of a GPU with these limits (0: it cannot launch there). Shipped: four k rows per unit
 // (CFG 10) for the largest one-group layers, two (CFG 9) for large ones, else one (CFG 0), each
-// only where it fits as the setting asks (gemv_compact); then the compact one. Debug variants
+// only where it fits as the setting asks (gemv_compact); then the compact one, which small
+// products take in place of CFG 0 (gemv_lean_units). Debug variants
 // (VAR != 0) keep the shipped rings. one_row: debug variant 10, CFG 0 everywhere.
 struct GvPick {
     int cfg;
@@ -187,7 +202,9 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
     }
     constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
     if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
-        if (!one_row && !fits(w0)) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
+        const long units = (long)(out / 16 / GvShape<PATH, NG, 0>::CT) * (in / 16);
+        const bool lean = mode != kGvCompactNever && units < (long)gemv_lean_units() * 2 * kGvWarps * (num_sms > 0 ? num_sms : 132);
+        if (!one_row && (lean || !fits(w0))) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
     }
     return pick(0, w0);
 }

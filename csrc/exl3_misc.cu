@@ -270,11 +270,12 @@ bool gemv_self_prep(const MmArgs& a) {
     const long rows = gv_most_units(a, pick.cfg, kr) * kr;
     return (rows - 1) / 8 + 2 <= kSpSlots;
 }
-bool debug_variants_built() { return kDebugVariants; }
+bool debug_variant_in_build(int variant) { return debug_variant_built(variant); }
 void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactTwoBlocks; }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
+void set_gemv_lean_units(int units) { gemv_lean_units() = units > 0 ? units : 0; }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: a warp per kHadTasks (row, 128-wide block) tasks, 4 values per lane, all

@@ -229,8 +229,13 @@ void set_gemv_finish_rows(int rows);
 // may have: K = 8 on the integer path of an RTX 30/40/50 GPU), 1 on every GPU (a test knob), 2
 // never (as before).
 void set_gemv_compact(int mode);
-// Whether this build has the products' debug variants (TRELLIS_DEBUG_VARIANTS; exl3_gemv_geom.cuh).
-bool debug_variants_built();
+// Below how many units per resident warp a product that would take CFG 0 takes the compact ring
+// on any GPU (default 0: never; exl3_gemv_geom.cuh, gemv_lean_units).
+void set_gemv_lean_units(int units);
+// Whether this build has the products' debug variant `variant` (all of them with
+// TRELLIS_DEBUG_VARIANTS; else those that take shipped kernels: exl3_gemv_geom.cuh,
+// debug_variant_built, the one list).
+bool debug_variant_in_build(int variant);
 // The configuration (CFG) a version-3 product of this shape takes on the per-warp kernel (not the
 // block-shared one, exl3_gemv_sa.cuh) and its block's shared memory, on this GPU (per_block 0) or
 // on one with the given limits (what cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor

@@ -37,10 +37,12 @@ SHAPES = [(1024, 1536), (4096, 4096), (4096, 14336), (8192, 28672)]
 
 @pytest.fixture
 def compact():
-    """Sets the compact ring's mode; restores the configured one after the test."""
+    """Sets the compact ring's mode; restores the configured one (and the lean-units setting,
+    which tests that compare plans with the shipped ones turn off) after the test."""
     ext = ops.extension()
     yield ext.set_gemv_compact
     ext.set_gemv_compact(ops.GV_COMPACT)
+    ext.set_gemv_lean_units(ops.GV_LEAN_UNITS)
 
 
 def _plan(K, int8, rows, n_in, n_out, limits=(0, 0, 0), sp=False, chain=False):
@@ -147,7 +149,9 @@ def _all_plans(limits, mode):
 def test_plans_on_an_rtx_gpu_fit_two_blocks_per_sm(compact):
     """With 100 KB per SM, every product takes a block that fits twice on an SM when the setting
     asks for two (3), except self prep at K >= 7, which then keeps the prep kernel. By default (0)
-    only what could not launch at all changes: the integer path at K = 8."""
+    only what could not launch at all changes: the integer path at K = 8 (with the lean-units
+    setting off: test_small_products_take_the_compact_ring)."""
+    ops.extension().set_gemv_lean_units(0)
     for key, (cfg, smem, blocks) in _all_plans(RTX, TWO_BLOCKS):
         K, sp = key[0], key[5]
         if sp and K >= 7:
@@ -172,8 +176,39 @@ def test_plans_on_an_a100_take_two_rows_where_they_fit(compact):
 
 
 def test_plans_on_the_h200_are_the_shipped_ones(compact):
-    """With 228 KB per SM nothing changes in any mode but 1: the H200 keeps its measured rings."""
+    """With 228 KB per SM nothing changes in any mode but 1: the H200 keeps its measured rings
+    (with the lean-units setting off, which gives small products the compact ring on any GPU)."""
+    ops.extension().set_gemv_lean_units(0)
     shipped = dict(_all_plans(H200, NEVER))
     assert {p[0] for p in shipped.values()} == {0, 9, 10}
     for mode in (NEEDED, TWO_BLOCKS):
         assert dict(_all_plans(H200, mode)) == shipped, mode
+
+
+def test_small_products_take_the_compact_ring(compact):
+    """With the lean-units setting at 16 a product that would take one k row per unit with
+    fewer than that many units per resident warp takes the compact ring, on the H200 too: at one
+    row Llama-3.1-8B's q/k/v (4096x6144) and o_proj (4096x4096) do, its gate/up and down (four k
+    rows) and 8192x28672 at 8 rows (108 units per warp) do not. Setting 2 (never) and 0 (lean off)
+    keep CFG 0; what runs is what the plan names."""
+    ext = ops.extension()
+    ext.set_gemv_compact(TWO_BLOCKS)
+    ext.set_gemv_lean_units(16)
+    assert _plan(4, True, 1, 4096, 6144, H200)[0] == COMPACT_CFG
+    assert _plan(4, True, 1, 4096, 4096, H200)[0] == COMPACT_CFG
+    assert _plan(4, True, 1, 4096, 28672, H200)[0] == 10
+    assert _plan(4, True, 1, 14336, 4096, H200)[0] == 10
+    assert _plan(4, True, 8, 8192, 28672, H200)[0] == 0
+    t = rand_layer(4096, 4096, 4, "mul1", seed=77, bias=True)
+    x = torch.randn(1, 4096, device=DEV).half()
+    ran = _gemv_cfgs(lambda: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3))
+    assert ran == {f"{COMPACT_CFG}, false, false"}, ran
+    y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+    ext.set_gemv_lean_units(0)
+    assert _plan(4, True, 1, 4096, 4096, H200)[0] == 0
+    assert _gemv_cfgs(lambda: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)) == {"0, false, false"}
+    assert rel_rms(y, ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)) < 1e-3
+    ext.set_gemv_lean_units(16)
+    ext.set_gemv_compact(NEVER)
+    assert _plan(4, True, 1, 4096, 4096, H200)[0] == 0
+    assert workspaces_zero()

@@ -77,19 +77,25 @@ FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 # never on an H200), 0 only where the shipped block cannot launch at all, 1 always (a test knob;
 # session 23's GPU run checked the compact kernels so), 2 never.
 GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
+# Small products on the compact ring on every GPU: one that would take one k row per unit with
+# fewer than this many units per resident warp (TRELLIS_GV_LEAN_UNITS, e.g. 16; 0 never, the
+# default until its GPU tests have run; not in setting 2). On the H200 Llama-3.1-8B's q/k/v and
+# o_proj products ran 8% and 14% faster on that ring (session 24, csrc/PERF_NOTES.md).
+GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "0") or 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
-# per Gemma block, two per layer. Off by default until a GPU run has checked it (written in
-# session 22, which had none: csrc/PERF_NOTES.md); TRELLIS_PREP_DOUBLE_NORM=1 turns it on. Off,
-# the inner norm runs as its own kernel and the outer one in the prep, as before.
+# per Gemma block, two per layer. Off by default: its GPU tests pass, but Gemma 2 decoded no faster
+# with it at context 0 and 4% slower at 4,096 (session 24, csrc/PERF_NOTES.md);
+# TRELLIS_PREP_DOUBLE_NORM=1 turns it on. Off, the inner norm runs as its own kernel and the outer
+# one in the prep.
 PREP_DOUBLE_NORM = os.environ.get("TRELLIS_PREP_DOUBLE_NORM", "0") == "1"
 
 # Gemma 2's prefill attention: tanh, the cap, the mask and the softmax of each chunk of scores in
-# one kernel (csrc/capped_softmax.cu) instead of four PyTorch passes over them. Off by default
-# until a GPU run has checked it (written in session 22, which had none); TRELLIS_CAPPED_SOFTMAX=1
-# turns it on.
-CAPPED_SOFTMAX = os.environ.get("TRELLIS_CAPPED_SOFTMAX", "0") == "1"
+# one kernel (csrc/capped_softmax.cu) instead of four PyTorch passes over them: on by default (a
+# 4,096-token Gemma 2 prefill 1.3x, 8,192 1.5x as fast; session 24); TRELLIS_CAPPED_SOFTMAX=0
+# keeps the passes.
+CAPPED_SOFTMAX = os.environ.get("TRELLIS_CAPPED_SOFTMAX", "1") != "0"
 
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
@@ -165,6 +171,7 @@ def extension():
         _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
         _ext.set_gemv_four_row_units(FOUR_ROW_UNITS)
         _ext.set_gemv_compact(GV_COMPACT)
+        _ext.set_gemv_lean_units(GV_LEAN_UNITS)
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
@@ -200,7 +207,7 @@ def debug_variant(variant: int):
     """Run the products inside with a timing probe or configuration of the fused kernel (csrc/
     exl3_gemv.cuh: 1-3 probes, 10 + CFG configurations), then go back to the configured one."""
     ext = extension()
-    if variant not in (0, 10, 30, 31) and not ext.debug_variants_built():
+    if not ext.debug_variant_built(variant):
         raise TrellisError(f"debug variant {variant} is not in these kernels: build them with "
                            "TRELLIS_DEBUG_VARIANTS=1 (the GPU tests and benchmarks set it)")
     ext.set_mm_debug_variant(variant)
@@ -212,7 +219,7 @@ def debug_variant(variant: int):
 
 def _configured_variant(ext) -> int:
     """TRELLIS_GV_VARIANT where this build has it (10 takes shipped kernels, so every build does)."""
-    return _DEFAULT_VARIANT if ext.debug_variants_built() or _DEFAULT_VARIANT == 10 else 0
+    return _DEFAULT_VARIANT if ext.debug_variant_built(_DEFAULT_VARIANT) else 0
 
 
 def kernels_settled() -> bool:
