@@ -203,7 +203,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
     constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
     if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
         const long units = (long)(out / 16 / GvShape<PATH, NG, 0>::CT) * (in / 16);
-        const bool lean = mode != kGvCompactNever && units < (long)gemv_lean_units() * 2 * kGvWarps * (num_sms > 0 ? num_sms : 132);
+        const bool lean = mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
         if (!one_row && (lean || !fits(w0))) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
     }
     return pick(0, w0);

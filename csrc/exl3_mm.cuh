@@ -190,21 +190,25 @@ constexpr int kGvTwoRowMaxK = 6;
 // K = 4; K = 5 would fit at 112 KB, K = 6 would not).
 constexpr int kGvFourRowMaxK = 4;
 
+// Warps resident on the GPU at the two blocks of 8 warps per SM the products' grids are sized for
+// (132 SMs, an H200's, where the count is unknown).
+inline long gv_resident_warps(int num_sms) {
+    return 2L * 8 * (num_sms > 0 ? num_sms : 132);
+}
+
 // Whether a version-3 product with one group of B columns takes four k rows per unit (the
 // largest layers, K <= kGvFourRowMaxK; see launch_gemv_shipped).
 inline bool gv_four_rows(int in, int out, int K, int num_sms) {
     if (gemv_four_row_units() <= 0 || K > kGvFourRowMaxK || in % 64) return false;
     const long quads = (long)(out / 128) * (in / 64);
-    const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
-    return quads >= gemv_four_row_units() * resident_warps;
+    return quads >= gemv_four_row_units() * gv_resident_warps(num_sms);
 }
 
 // Whether a version-3 product with one group of B columns takes two k rows per unit (large
 // layers, K <= kGvTwoRowMaxK; see launch_gemv_shipped).
 inline bool gv_two_rows(int in, int out, int K, int num_sms) {
     const long pairs = (long)(out / 128) * (in / 32);
-    const long resident_warps = 2L * 8 * (num_sms > 0 ? num_sms : 132);
-    return K <= kGvTwoRowMaxK && pairs >= gemv_two_row_units() * resident_warps;
+    return K <= kGvTwoRowMaxK && pairs >= gemv_two_row_units() * gv_resident_warps(num_sms);
 }
 
 // Chunk slots of a self-prepping product's warp (exl3_gemv.cuh): the 128-chunks its k rows
