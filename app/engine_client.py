@@ -1,22 +1,24 @@
 """EngineClient: the only road from the app to the engine process.
 
 The engine (`python -m engine.worker`) speaks JSON lines (engine/worker/protocol.py) over its
-stdin/stdout. A QProcess owned by a helper object in its own QThread reads and parses those
-lines, so a flood of token events never costs the UI thread more than one queued signal each;
-the UI thread only calls methods that post a line and return at once, and gets every answer as a
-Qt signal. When the process ends without being asked to, `died(reason)` says why (exit code or
-signal, and the last line the engine wrote to stderr) and `restart()` brings a fresh one up.
+stdin/stdout. Background threads (app/engine_process.py) read and decode those lines and write
+commands, so a flood of token events or a slow engine never blocks the UI thread; what they read
+comes to the UI thread through a UiMailbox and goes out from here as Qt signals. The UI thread
+only calls methods that queue a line and return at once. When the process ends without being
+asked to, `died(reason)` says why (exit code or signal, and the last line the engine wrote to
+stderr) and `restart()` brings a fresh one up.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import sys
-from collections import deque
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal
 
+from app.engine_process import EngineProcess
+from app.ui_mailbox import UiMailbox
 from engine.worker import protocol as P
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,110 +44,6 @@ def missing_kernels(model: dict | None) -> str | None:
     return model.get("kernels_note") or "the CUDA kernels are unavailable"
 
 
-class _Pipe(QObject):
-    """Lives in the client's thread: owns the QProcess and turns its lines into messages."""
-
-    message = Signal(object)          # a decoded protocol event
-    bad_line = Signal(str)
-    started = Signal(int)
-    ended = Signal(int, str, bool)    # exit code, reason, expected
-
-    def __init__(self):
-        super().__init__()
-        self.proc: QProcess | None = None
-        self._buf = b""
-        self._stderr_tail: deque[str] = deque(maxlen=40)
-        self._expected_exit = False
-
-    @Slot(list, dict)
-    def start(self, argv: list, env: dict) -> None:
-        if self.proc is not None:
-            return
-        self._buf, self._expected_exit = b"", False
-        self._stderr_tail.clear()
-        proc = QProcess(self)
-        penv = QProcessEnvironment.systemEnvironment()
-        for k, v in env.items():
-            penv.insert(k, v)
-        proc.setProcessEnvironment(penv)
-        proc.setWorkingDirectory(str(REPO_ROOT))
-        proc.readyReadStandardOutput.connect(self._read_stdout)
-        proc.readyReadStandardError.connect(self._read_stderr)
-        proc.finished.connect(self._finished)
-        proc.errorOccurred.connect(self._error)
-        self.proc = proc
-        proc.start(argv[0], argv[1:])
-        if proc.waitForStarted(10000):
-            self.started.emit(int(proc.processId()))
-
-    @Slot(str)
-    def write(self, line: str) -> None:
-        if self.proc is not None and self.proc.state() == QProcess.Running:
-            self.proc.write(line.encode("utf-8"))
-
-    @Slot(bool)
-    def stop(self, kill: bool) -> None:
-        if self.proc is None:
-            return
-        self._expected_exit = True
-        proc = self.proc          # _finished() clears self.proc from inside waitForFinished
-        if kill:
-            proc.kill()
-        else:
-            proc.closeWriteChannel()
-            if not proc.waitForFinished(3000) and self.proc is proc:
-                proc.kill()
-        if self.proc is proc:
-            proc.waitForFinished(3000)
-
-    def _read_stdout(self) -> None:
-        self._buf += bytes(self.proc.readAllStandardOutput())
-        *lines, self._buf = self._buf.split(b"\n")
-        for raw in lines:
-            if not raw.strip():
-                continue
-            try:
-                self.message.emit(P.decode(raw, P.EVENTS))
-            except P.ProtocolError as e:
-                self.bad_line.emit(f"{e}: {raw[:200]!r}")
-
-    def _read_stderr(self) -> None:
-        text = bytes(self.proc.readAllStandardError()).decode("utf-8", "replace")
-        for line in text.splitlines():
-            if line.strip():
-                self._stderr_tail.append(line.rstrip())
-
-    def _reason(self, code: int, crashed: bool) -> str:
-        last = ""
-        for line in reversed(self._stderr_tail):
-            if not line.startswith((" ", "\t", "Traceback")):
-                last = line.strip()
-                break
-        if crashed:
-            head = "The engine was killed" + (" (perhaps it ran out of memory)" if not last else "")
-        else:
-            head = f"The engine stopped (exit code {code})"
-        return f"{head}: {last}" if last else head + "."
-
-    def _finished(self, code: int, status) -> None:
-        if self.proc is None:
-            return
-        self._read_stderr()
-        crashed = status == QProcess.CrashExit
-        reason = self._reason(code, crashed)
-        expected = self._expected_exit
-        self.proc.deleteLater()
-        self.proc = None
-        self.ended.emit(code, reason, expected)
-
-    def _error(self, err) -> None:
-        if err == QProcess.FailedToStart and self.proc is not None:
-            program = self.proc.program()
-            self.proc.deleteLater()
-            self.proc = None
-            self.ended.emit(-1, f"The engine could not be started ({program} failed to run).", False)
-
-
 class EngineClient(QObject):
     """Commands go out as methods (each returns the command id); answers come back as signals."""
 
@@ -160,11 +58,6 @@ class EngineClient(QObject):
     running_changed = Signal(bool)
     model_changed = Signal(object)         # ModelInfo dict or None
 
-    _start = Signal(list, dict)
-    _write = Signal(str)
-    _stop = Signal(bool)
-    _stop_blocking = Signal(bool)
-
     def __init__(self, argv: list[str] | None = None, env: dict | None = None, parent=None):
         super().__init__(parent)
         self.argv = argv or default_worker_argv()
@@ -178,37 +71,46 @@ class EngineClient(QObject):
         self.running = False
         self.last_death: str | None = None
         self._pending: dict[str, str] = {}     # command id -> command type
-        self._thread = QThread()
-        self._thread.setObjectName("EngineClient")
-        self._pipe = _Pipe()
-        self._pipe.moveToThread(self._thread)
-        self._start.connect(self._pipe.start)
-        self._write.connect(self._pipe.write)
-        self._stop.connect(self._pipe.stop)
-        self._stop_blocking.connect(self._pipe.stop, Qt.BlockingQueuedConnection)
-        self._pipe.message.connect(self._on_message)
-        self._pipe.ended.connect(self._on_ended)
-        self._pipe.started.connect(lambda pid: self._set_running(True))
-        self._thread.start()
+        self._mailbox = UiMailbox(self)
+        self._process: EngineProcess | None = None   # until its end has been delivered here
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        """Start the engine unless one is running; `ready` follows its hello, `died` a failure."""
+        if self._process is not None:
+            return
         self.last_death = None
-        self._start.emit(self.argv, self.env)
+        try:
+            self._process = EngineProcess(self.argv, self.env, REPO_ROOT, self._mailbox,
+                                          self._on_message, self._on_ended)
+        except OSError:
+            reason = f"The engine could not be started ({self.argv[0]} failed to run)."
+            self._mailbox.post(self._on_ended, None, -1, reason, False)
+            return
+        self._set_running(True)
 
     def restart(self) -> None:
         self.start()
 
     def stop(self, kill: bool = False) -> None:
-        """Ask the engine to exit (closing its stdin) and wait for it, off the UI thread."""
-        self._stop.emit(kill)
+        """Ask the engine to exit (closing its stdin; killed after a grace period), or kill it.
+        Returns at once: running_changed(False) says when it is gone."""
+        if self._process is not None:
+            self._process.stop(kill)
 
     def close(self) -> None:
-        """Stop the process and the thread; call once, when the app quits."""
-        if self._thread.isRunning():
-            self._stop_blocking.emit(False)
-            self._thread.quit()
-            self._thread.wait(5000)
+        """Stop the process and wait for it (a few seconds at most); call once, when the app
+        quits. Nothing is delivered after this."""
+        if self._process is not None:
+            self._process.stop_and_wait()
+            self._process = None
+        self.running = False
+        self._mailbox.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's process id while this client holds one."""
+        return self._process.popen.pid if self._process is not None else None
 
     def _set_running(self, running: bool) -> None:
         if running != self.running:
@@ -220,7 +122,8 @@ class EngineClient(QObject):
         if msg.id is None:
             msg.id = str(next(self._ids))
         self._pending[msg.id] = msg.type
-        self._write.emit(P.encode(msg))
+        if self._process is not None:
+            self._process.write(P.encode(msg))
         return msg.id
 
     def load(self, model_dir: str, max_context: int = 0, cache_bits: list[int] | None = None,
@@ -283,7 +186,10 @@ class EngineClient(QObject):
             self.devices = m.devices
             self.ready.emit(m)
 
-    def _on_ended(self, code: int, reason: str, expected: bool) -> None:
+    def _on_ended(self, process: EngineProcess | None, code: int, reason: str, expected: bool) -> None:
+        if process is not self._process:       # a run this client has already let go of
+            return
+        self._process = None
         self._set_running(False)
         self.hello = None
         self._pending.clear()

@@ -17,15 +17,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QButtonGroup, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
                                QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QProgressBar,
                                QPushButton, QRadioButton, QSpinBox, QVBoxLayout, QWidget, QWizard, QWizardPage)
 
 from app import convert_job as J
+from app.background import run_in_background
 from app.convert_job import ConversionRequest, ConvertProgress
 from app.engine_client import kernels_caveat
 from app.models.hub_models import badge_color
+from app.ui_mailbox import UiMailbox
 from engine import plan as planner
 from engine.errors import TrellisError
 
@@ -52,34 +54,24 @@ def _restyle(w: QWidget) -> None:
     w.style().polish(w)
 
 
-class _FetchSignals(QObject):
-    done = Signal(int, object, str)      # sequence, config dict or None, error line
+def _hub_config(repo: str, revision: str) -> dict:
+    """config.json of a hub repo revision, with its total size, checking that it has safetensors
+    weights to convert (runs on a background thread)."""
+    from engine import hub
+    commit, files = hub.repo_files(repo, revision)
+    if not any(f.path.endswith(".safetensors") for f in files):
+        raise hub.HubError(f"{repo}@{revision} has no .safetensors weights to convert")
+    text = hub.read_text(repo, commit, "config.json", 4 << 20)
+    if text is None:
+        raise hub.HubError(f"{repo}@{revision} has no config.json: it is not a model")
+    cfg = json.loads(text)
+    cfg["_size_bytes"] = sum(f.size for f in files)
+    return cfg
 
 
-class _FetchConfig(QRunnable):
-    """config.json of a hub repo revision, plus whether it has safetensors weights (background)."""
-
-    def __init__(self, seq: int, repo: str, revision: str):
-        super().__init__()
-        self.seq, self.repo, self.revision = seq, repo, revision
-        self.signals = _FetchSignals()
-
-    def run(self) -> None:
-        from engine import hub
-        try:
-            commit, files = hub.repo_files(self.repo, self.revision)
-            if not any(f.path.endswith(".safetensors") for f in files):
-                raise hub.HubError(f"{self.repo}@{self.revision} has no .safetensors weights to convert")
-            text = hub.read_text(self.repo, commit, "config.json", 4 << 20)
-            if text is None:
-                raise hub.HubError(f"{self.repo}@{self.revision} has no config.json: it is not a model")
-            cfg = json.loads(text)
-            cfg["_size_bytes"] = sum(f.size for f in files)
-            self.signals.done.emit(self.seq, cfg, "")
-        except (TrellisError, ValueError) as e:
-            self.signals.done.emit(self.seq, None, str(e))
-        except Exception as e:  # never a silent failure in a background thread
-            self.signals.done.emit(self.seq, None, f"{type(e).__name__}: {e}")
+def _fetch_error(e: Exception) -> str:
+    """Never a silent failure in a background thread: our errors say their sentence, others are named."""
+    return str(e) if isinstance(e, (TrellisError, ValueError)) else f"{type(e).__name__}: {e}"
 
 
 # ---------------------------------------------------------------------------- pages
@@ -93,7 +85,7 @@ class SourcePage(QWizardPage):
         self.hub_config: Optional[dict] = None
         self.hub_error = ""
         self._seq = 0
-        self._fetches: dict[int, QRunnable] = {}
+        self._mailbox = UiMailbox(self)
 
         # unfinished jobs
         self.unfinished = QListWidget()
@@ -229,15 +221,12 @@ class SourcePage(QWizardPage):
             self.completeChanged.emit()
             return
         self._seq += 1
-        task = _FetchConfig(self._seq, repo, rev)
-        task.setAutoDelete(False)
-        self._fetches[self._seq] = task          # kept alive until it answers
-        task.signals.done.connect(self._fetched, Qt.QueuedConnection)
+        seq = self._seq
         self.info.setText(f"Reading {repo}@{rev} from the hub…")
-        QThreadPool.globalInstance().start(task)
+        run_in_background(self._mailbox, lambda: _hub_config(repo, rev), lambda cfg: self._fetched(seq, cfg, ""),
+                          lambda e: self._fetched(seq, None, _fetch_error(e)), name="hub-config")
 
     def _fetched(self, seq: int, cfg, err: str) -> None:
-        self._fetches.pop(seq, None)
         if seq != self._seq:
             return
         self.hub_config, self.hub_error = cfg, (err[:1].upper() + err[1:] if err else "")

@@ -1,8 +1,8 @@
 """Hub browser pane: search Hugging Face (EXL3 first), read a repo's card and its revisions (one
 per bpw) with size and fit badge each, and download into the library with pause, resume and cancel.
 
-Network calls (search, card, revisions) run in the global thread pool through engine.hub, which is
-torch-free; the UI thread only posts work and receives results as queued signals. A result that
+Network calls (search, card, revisions) run on background threads through engine.hub, which is
+torch-free; the UI thread only starts them and gets results through a UiMailbox. A result that
 arrives after the user has moved on (a newer search, another repo) is dropped by its sequence
 number. Downloads go through the engine (app/downloads.py).
 """
@@ -12,44 +12,28 @@ import html
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QObject, QRunnable, QSize, Qt, QThreadPool, QUrl, Signal
+from PySide6.QtCore import QSize, Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QApplication, QCheckBox, QComboBox, QHBoxLayout, QHeaderView,
                                QLabel, QLineEdit, QPushButton, QSplitter, QStyle, QStyledItemDelegate,
                                QStyleOptionProgressBar, QTableView, QVBoxLayout, QWidget)
 
 from app import hub_info, settings
+from app.background import run_in_background
 from app.downloads import DownloadManager, sentence
 from app.engine_client import kernels_caveat
 from app.icons import icon
 from app.models.hub_models import (DownloadsModel, FractionRole, ItemRole, RevisionsModel, SearchResultsModel,
                                    badge_color)
 from app.models.library import human_bytes, human_count
+from app.ui_mailbox import UiMailbox
 from app.views.library_view import capacity_from_devices
 
 
-class _CallSignals(QObject):
-    done = Signal(int, object)       # sequence number, result
-    failed = Signal(int, str)        # sequence number, one-line message
-
-
-class _Call(QRunnable):
-    """fn() in the thread pool; its result or its one-line error comes back as a signal."""
-
-    def __init__(self, seq: int, fn: Callable[[], object]):
-        super().__init__()
-        self.seq, self.fn = seq, fn
-        self.signals = _CallSignals()
-
-    def run(self) -> None:
-        try:
-            result = self.fn()
-        except Exception as e:   # TrellisError carries the user's sentence; anything else is named
-            from engine.errors import TrellisError
-            msg = str(e) if isinstance(e, TrellisError) else f"{type(e).__name__}: {e}"
-            self.signals.failed.emit(self.seq, msg)
-            return
-        self.signals.done.emit(self.seq, result)
+def _one_line(e: Exception) -> str:
+    """TrellisError carries the user's sentence; anything else is named."""
+    from engine.errors import TrellisError
+    return str(e) if isinstance(e, TrellisError) else f"{type(e).__name__}: {e}"
 
 
 class ProgressDelegate(QStyledItemDelegate):
@@ -103,7 +87,7 @@ class HubPane(QWidget):
         self.client = client
         self.library = library
         self._seq = self._search_seq = self._repo_seq = 0   # answers to older requests are dropped
-        self._calls: dict[int, tuple] = {}     # seq -> (call, on_done, on_failed), kept alive until answered
+        self._mailbox = UiMailbox(self)
         self.repo: str | None = None
         self.downloads = DownloadManager(client, parent=self)
 
@@ -243,26 +227,13 @@ class HubPane(QWidget):
 
     # ------------------------------------------------------------------ background calls
     def _run(self, fn: Callable[[], object], on_done, on_failed) -> int:
-        """Run fn in the pool; on_done(seq, result) or on_failed(seq, message) runs on this (UI)
-        thread: the signals are connected to this object's methods, delivered queued."""
+        """Run fn off the UI thread; on_done(seq, result) or on_failed(seq, one line) runs on
+        this (UI) thread. Returns seq, which callers keep to drop answers to older requests."""
         self._seq += 1
-        call = _Call(self._seq, fn)
-        call.setAutoDelete(False)
-        self._calls[self._seq] = (call, on_done, on_failed)
-        call.signals.done.connect(self._call_done, Qt.QueuedConnection)
-        call.signals.failed.connect(self._call_failed, Qt.QueuedConnection)
-        QThreadPool.globalInstance().start(call)
-        return self._seq
-
-    def _call_done(self, seq: int, value) -> None:
-        _, on_done, _ = self._calls.pop(seq, (None, None, None))
-        if on_done is not None:
-            on_done(seq, value)
-
-    def _call_failed(self, seq: int, message: str) -> None:
-        _, _, on_failed = self._calls.pop(seq, (None, None, None))
-        if on_failed is not None:
-            on_failed(seq, message)
+        seq = self._seq
+        run_in_background(self._mailbox, fn, lambda value: on_done(seq, value),
+                          lambda e: on_failed(seq, _one_line(e)), name="hub-call")
+        return seq
 
     # ------------------------------------------------------------------ search
     def search(self) -> None:

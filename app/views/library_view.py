@@ -5,33 +5,17 @@ import shutil
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QProcess, QRunnable, Qt, QThreadPool, QUrl, Signal
+from PySide6.QtCore import QObject, QProcess, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QHBoxLayout, QHeaderView, QLabel,
                                QMessageBox, QProgressBar, QPushButton, QSpinBox, QTableView, QVBoxLayout, QWidget)
 
 from app import library_scan, settings
 from app.engine_client import REPO_ROOT, EngineClient, kernels_caveat, missing_kernels
+from app.background import run_in_background
 from app.icons import icon
 from app.models.library import LibraryModel
-
-
-class _ScanSignals(QObject):
-    finished = Signal(list)
-
-
-class _Scan(QRunnable):
-    def __init__(self, folders: list[str]):
-        super().__init__()
-        self.folders = folders
-        self.signals = _ScanSignals()
-
-    def run(self) -> None:
-        try:
-            entries = library_scan.scan(self.folders)
-        except Exception as e:  # never let a scan kill the app; say what happened
-            entries = [library_scan.LibraryEntry("", "scan failed", "broken", error=str(e))]
-        self.signals.finished.emit(entries)
+from app.ui_mailbox import UiMailbox
 
 
 def capacity_from_devices(devices) -> tuple[list[int], str]:
@@ -86,8 +70,8 @@ class LibraryPane(QWidget):
         super().__init__(parent)
         self.client = client
         self.model = LibraryModel(self)
-        self._scan: _Scan | None = None
-        self._old_scans: list[_Scan] = []
+        self._mailbox = UiMailbox(self)
+        self._scan_seq = 0                # only the newest scan may fill the table
         self._load_id: str | None = None
 
         self.folders = QComboBox()
@@ -198,16 +182,16 @@ class LibraryPane(QWidget):
     # ------------------------------------------------------------------ scanning
     def rescan(self) -> None:
         self.status.setText("Reading model folders…")
-        if self._scan is not None:      # a scan may still run: keep it alive (its result will be ignored)
-            self._old_scans.append(self._scan)
-        self._scan = _Scan(settings.model_folders())
-        self._scan.setAutoDelete(False)
-        self._scan.signals.finished.connect(self._scanned, Qt.QueuedConnection)
-        QThreadPool.globalInstance().start(self._scan)
+        self._scan_seq += 1
+        seq, folders = self._scan_seq, settings.model_folders()
+        # a scan never kills the app: a failure becomes a broken row that says what happened
+        failed = lambda e: [library_scan.LibraryEntry("", "scan failed", "broken", error=str(e))]  # noqa: E731
+        run_in_background(self._mailbox, lambda: library_scan.scan(folders), lambda entries: self._scanned(seq, entries),
+                          lambda e: self._scanned(seq, failed(e)), name="library-scan")
 
-    def _scanned(self, entries: list) -> None:
+    def _scanned(self, seq: int, entries: list) -> None:
         # Two rescans in a row (adding two folders) run at once; only the newest may fill the table.
-        if self._scan is not None and self.sender() is not None and self.sender() is not self._scan.signals:
+        if seq != self._scan_seq:
             return
         self._entries = entries
         self._refresh_fits()

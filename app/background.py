@@ -1,0 +1,25 @@
+"""Blocking calls (folder scans, hub requests) off the UI thread, with their outcome brought back
+to it through a UiMailbox. The thread runs only the caller's function: it never touches Qt (see
+app/ui_mailbox.py for the freeze that rule prevents)."""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from app.ui_mailbox import UiMailbox
+
+
+def run_in_background(mailbox: UiMailbox, fn: Callable[[], object], on_done: Callable[[object], None],
+                      on_failed: Callable[[Exception], None], name: str = "trellis-background") -> None:
+    """fn() on a daemon thread; then on_done(result) or on_failed(exception) on the UI thread.
+
+    Daemon, so a hub request that hangs never keeps the app from quitting."""
+    def work() -> None:
+        try:
+            result = fn()
+        except Exception as e:
+            mailbox.post(on_failed, e)
+        else:
+            mailbox.post(on_done, result)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
