@@ -7,6 +7,7 @@ import threading
 from typing import Callable
 
 from app.ui_mailbox import UiMailbox
+from engine.errors import TrellisError
 
 
 def run_in_background(mailbox: UiMailbox, fn: Callable[[], object], on_done: Callable[[object], None],
@@ -23,3 +24,9 @@ def run_in_background(mailbox: UiMailbox, fn: Callable[[], object], on_done: Cal
             mailbox.post(on_done, result)
 
     threading.Thread(target=work, name=name, daemon=True).start()
+
+
+def failure_line(e: Exception) -> str:
+    """What a person is shown for a background call that failed: our errors carry the user's
+    sentence; anything else is named, never dropped silently."""
+    return str(e) if isinstance(e, TrellisError) else f"{type(e).__name__}: {e}"

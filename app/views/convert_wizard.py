@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (QButtonGroup, QComboBox, QDoubleSpinBox, QFileDia
                                QPushButton, QRadioButton, QSpinBox, QVBoxLayout, QWidget, QWizard, QWizardPage)
 
 from app import convert_job as J
-from app.background import run_in_background
+from app.background import failure_line, run_in_background
 from app.convert_job import ConversionRequest, ConvertProgress
 from app.engine_client import kernels_caveat
 from app.models.hub_models import badge_color
@@ -64,14 +64,14 @@ def _hub_config(repo: str, revision: str) -> dict:
     text = hub.read_text(repo, commit, "config.json", 4 << 20)
     if text is None:
         raise hub.HubError(f"{repo}@{revision} has no config.json: it is not a model")
-    cfg = json.loads(text)
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise hub.HubError(f"{repo}@{revision}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise hub.HubError(f"{repo}@{revision}: config.json is not a JSON object")
     cfg["_size_bytes"] = sum(f.size for f in files)
     return cfg
-
-
-def _fetch_error(e: Exception) -> str:
-    """Never a silent failure in a background thread: our errors say their sentence, others are named."""
-    return str(e) if isinstance(e, (TrellisError, ValueError)) else f"{type(e).__name__}: {e}"
 
 
 # ---------------------------------------------------------------------------- pages
@@ -224,7 +224,7 @@ class SourcePage(QWizardPage):
         seq = self._seq
         self.info.setText(f"Reading {repo}@{rev} from the hub…")
         run_in_background(self._mailbox, lambda: _hub_config(repo, rev), lambda cfg: self._fetched(seq, cfg, ""),
-                          lambda e: self._fetched(seq, None, _fetch_error(e)), name="hub-config")
+                          lambda e: self._fetched(seq, None, failure_line(e)), name="hub-config")
 
     def _fetched(self, seq: int, cfg, err: str) -> None:
         if seq != self._seq:

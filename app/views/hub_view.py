@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QApplication, QCheckBox, QComb
                                QStyleOptionProgressBar, QTableView, QVBoxLayout, QWidget)
 
 from app import hub_info, settings
-from app.background import run_in_background
+from app.background import failure_line, run_in_background
 from app.downloads import DownloadManager, sentence
 from app.engine_client import kernels_caveat
 from app.icons import icon
@@ -28,12 +28,6 @@ from app.models.hub_models import (DownloadsModel, FractionRole, ItemRole, Revis
 from app.models.library import human_bytes, human_count
 from app.ui_mailbox import UiMailbox
 from app.views.library_view import capacity_from_devices
-
-
-def _one_line(e: Exception) -> str:
-    """TrellisError carries the user's sentence; anything else is named."""
-    from engine.errors import TrellisError
-    return str(e) if isinstance(e, TrellisError) else f"{type(e).__name__}: {e}"
 
 
 class ProgressDelegate(QStyledItemDelegate):
@@ -232,7 +226,7 @@ class HubPane(QWidget):
         self._seq += 1
         seq = self._seq
         run_in_background(self._mailbox, fn, lambda value: on_done(seq, value),
-                          lambda e: on_failed(seq, _one_line(e)), name="hub-call")
+                          lambda e: on_failed(seq, failure_line(e)), name="hub-call")
         return seq
 
     # ------------------------------------------------------------------ search

@@ -242,3 +242,28 @@ def test_unfinished_job_listed_and_discarded(qtbot, make_client, ref_fixtures, t
     wiz.source.discard_button.click()
     assert not Path(stale.work_dir).exists() and wiz.source.unfinished.count() == 0
     assert not wiz.source.unfinished_box.isVisible() and J.unfinished() == []
+
+
+def test_hub_config_says_what_is_wrong_with_a_repo(monkeypatch):
+    """The wizard's background read of a hub repo: each bad repo gets its own sentence, and the
+    line a person sees (failure_line) is that sentence, not an exception's name."""
+    from app.background import failure_line
+    from app.views.convert_wizard import _hub_config
+    from tests.fakehub import FakeHub
+    weights = {"model.safetensors": b"\0" * 64}
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        hub.add_repo("a/no-weights", {"main": {"config.json": b"{}"}})
+        hub.add_repo("a/no-config", {"main": dict(weights)})
+        hub.add_repo("a/bad-json", {"main": {**weights, "config.json": b"{not json"}})
+        hub.add_repo("a/list-json", {"main": {**weights, "config.json": b"[1, 2]"}})
+        hub.add_repo("a/good", {"main": {**weights, "config.json": b'{"architectures": ["LlamaForCausalLM"]}'}})
+        expected = {"a/no-weights": "has no .safetensors weights", "a/no-config": "has no config.json",
+                    "a/bad-json": "config.json is not valid JSON", "a/list-json": "config.json is not a JSON object"}
+        for repo, words in expected.items():
+            with pytest.raises(Exception) as info:
+                _hub_config(repo, "main")
+            assert words in failure_line(info.value), repo
+        cfg = _hub_config("a/good", "main")
+        assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["_size_bytes"] > 64
