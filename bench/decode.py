@@ -58,7 +58,7 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               (engine/ops/chain.py: each product's output stage writes the next one's input, no
               prep kernels between them; TRELLIS_CHAIN picks the default); -chainattn /
               -chaingated / -chainnormed: one link only
---breakdown adds, per graph path, kernels per token and their summed time against the wall time.
+--breakdown adds, per graph path and context, kernels per token and their summed time against the wall time.
 --batch N decodes N sequences together (tokens_per_s counts all of them).
 Prints one JSON line per (path, batch, context).
 """
@@ -391,21 +391,25 @@ def main(argv=None) -> int:
         if args.profile and not graph:
             profile_eager(model, path)
         if args.breakdown and graph:
-            print(json.dumps(graph_breakdown(model)), flush=True)
+            for ctx in args.contexts:
+                print(json.dumps({"path": path, **graph_breakdown(model, ctx)}), flush=True)
     return 0
 
 
-def graph_breakdown(model, tokens: int = 8) -> dict:
-    """Where a graph-replayed token's GPU time goes: how many kernels it runs, their summed
-    duration against the wall time per token (the difference is launch gaps and ramps between
-    kernels, which a graph does not remove), and the kernels that take the most time."""
+def graph_breakdown(model, context: int = 0, tokens: int = 8) -> dict:
+    """Where a graph-replayed token's GPU time goes, with `context` tokens already cached: how
+    many kernels it runs, their summed duration against the wall time per token (the difference
+    is launch gaps and ramps between kernels, which a graph does not remove), and the kernels
+    that take the most time. Per context, because attention's share grows with the cache."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from engine.generate.graph_decode import GraphDecoder
 
     decoder = GraphDecoder(model)
-    decoder.new_cache(1, 64 + tokens)  # the decoder keeps it: step() appends to it
+    cache = decoder.new_cache(1, context + 64 + tokens)  # the decoder keeps it: step() appends to it
+    if context:
+        cache.advance(context)  # the cache content does not change the work done
     ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         for _ in range(3):
@@ -430,7 +434,7 @@ def graph_breakdown(model, tokens: int = 8) -> dict:
         with open(os.environ["TRELLIS_TIMELINE"], "w") as f:
             json.dump([[e.name[:80], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in last], f)
     top = sorted(total.items(), key=lambda kv: -kv[1][0])[:12]
-    return {"bench": "decode_breakdown", "tokens": tokens, "kernels_per_token": round(len(kernels) / tokens, 1),
+    return {"bench": "decode_breakdown", "context": context, "tokens": tokens, "kernels_per_token": round(len(kernels) / tokens, 1),
             "kernel_us_per_token": round(busy / tokens, 1), "wall_us_per_token": round(wall * 1e6 / tokens, 1),
             "top": [{"kernel": k, "us_per_token": round(us / tokens, 1), "per_token": round(n / tokens, 1)}
                     for k, (us, n) in top],
