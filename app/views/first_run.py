@@ -68,6 +68,7 @@ class FirstRunPane(QWidget):
         library.scanned.connect(self._maybe_load)
         client.result.connect(self._loaded)
         client.error.connect(self._failed)
+        client.died.connect(self._engine_died)
 
     def get_starter(self) -> None:
         src = find_starter_gguf()
@@ -87,9 +88,7 @@ class FirstRunPane(QWidget):
         if self._target is None:
             return
         if not ok:
-            self.starter.setEnabled(True)
-            self.status.setText(f"Import failed: {text}")
-            self._target = None
+            self._give_up(f"Import failed: {text}")
         else:
             self.status.setText("Imported. Loading it into the engine…")
 
@@ -98,8 +97,20 @@ class FirstRunPane(QWidget):
             self._load()
 
     def _load(self) -> None:
+        if not self.client.running:      # never wait for an answer no engine will give
+            self._give_up("The engine is not running: restart it from the banner, then try again.")
+            return
         self.library.select_path(self._target)
         self.library.load(self._target)
+
+    def _engine_died(self, reason: str) -> None:
+        if self._target:
+            self._give_up(f"{reason} Restart it from the banner, then try again.")
+
+    def _give_up(self, text: str) -> None:
+        self._target = None
+        self.starter.setEnabled(True)
+        self.status.setText(text)
 
     def _loaded(self, _id, command, data) -> None:
         if self._target and command == "load" and data.get("model_dir") == self._target:
@@ -110,6 +121,4 @@ class FirstRunPane(QWidget):
 
     def _failed(self, err) -> None:
         if self._target and err.command == "load":
-            self.status.setText(f"Could not load the starter model: {err.message}")
-            self._target = None
-            self.starter.setEnabled(True)
+            self._give_up(f"Could not load the starter model: {err.message}")

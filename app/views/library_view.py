@@ -153,6 +153,7 @@ class LibraryPane(QWidget):
         client.result.connect(self._on_result)
         client.error.connect(self._on_error)
         client.model_changed.connect(self._on_model_changed)
+        client.died.connect(self._engine_died)
         client.ready.connect(lambda *_: self._refresh_fits())
         self._fill_folders()
         self.rescan()
@@ -347,6 +348,12 @@ class LibraryPane(QWidget):
             self._load_id = None
             self.progress.setVisible(False)
             self.status.setText(f"Could not load: {err.message}")
+
+    def _engine_died(self, reason: str) -> None:
+        if self._load_id is not None:     # no answer will come: stop the spinner and say why
+            self._load_id = None
+            self.progress.setVisible(False)
+            self.status.setText(f"Could not load: {reason}")
 
     def _on_model_changed(self, model) -> None:
         self.model.set_loaded((model or {}).get("model_dir"))

@@ -2,8 +2,8 @@
 with canned, fast behaviour, so UI tests can be exact about timing, crashes and bad input.
 
 Environment: FAKE_TOKENS (tokens per answer, default 12), FAKE_DELAY (seconds between tokens,
-default 0.01). A user message containing CRASH makes the process die the way an OOM would
-(a line on stderr, then exit code 3)."""
+default 0.01), FAKE_LOAD_DELAY (seconds a load takes, default 0). A user message containing CRASH
+makes the process die the way an OOM would (a line on stderr, then exit code 3)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ from engine.worker import protocol as P  # noqa: E402
 TOKENS = int(os.environ.get("FAKE_TOKENS", "12"))
 DELAY = float(os.environ.get("FAKE_DELAY", "0.01"))
 CONVERT_DELAY = float(os.environ.get("FAKE_CONVERT_DELAY", "0.05"))
+LOAD_DELAY = float(os.environ.get("FAKE_LOAD_DELAY", "0"))      # seconds a load takes
 lock = threading.Lock()
 cancelled: set[str] = set()
 model: P.ModelInfo | None = None
@@ -124,6 +125,7 @@ def main() -> None:
                              message=f"{d} is not a model folder (no config.json)"))
                 continue
             send(P.Progress(id=cmd.id, task=P.TaskKind.LOAD, fraction=0.5, message="loading"))
+            time.sleep(LOAD_DELAY)
             model = P.ModelInfo(model_dir=str(d), name=d.name, architecture="LlamaForCausalLM", max_context=2048,
                                 vision="vision" in d.name,
                                 weight_bytes=sum(f.stat().st_size for f in d.glob("*.safetensors")),

