@@ -36,6 +36,7 @@ def test_a_dead_or_stopped_engine_ends_the_wait_with_a_sentence(qtbot, make_clie
     w = MainWindow(client=client, start_engine=False)
     qtbot.addWidget(w)
     pane = w.first_run
+    qtbot.waitUntil(lambda: w.library.status.text() == "1 model", timeout=10000)   # its scan is done
     qtbot.mouseClick(pane.starter, Qt.LeftButton)
     assert "loading" in pane.status.text()
     with qtbot.waitSignal(client.died, timeout=10000):
