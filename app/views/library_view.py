@@ -11,11 +11,16 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QHBoxL
                                QMessageBox, QProgressBar, QPushButton, QSpinBox, QTableView, QVBoxLayout, QWidget)
 
 from app import library_scan, settings
-from app.engine_client import REPO_ROOT, EngineClient, kernels_caveat, missing_kernels
 from app.background import run_in_background
+from app.engine_client import REPO_ROOT, EngineClient, kernels_caveat, missing_kernels
 from app.icons import icon
 from app.models.library import LibraryModel
 from app.ui_mailbox import UiMailbox
+
+
+def _scan_failed(e: Exception) -> list:
+    """A scan never kills the app: its failure becomes a broken row that says what happened."""
+    return [library_scan.LibraryEntry("", "scan failed", "broken", error=str(e))]
 
 
 def capacity_from_devices(devices) -> tuple[list[int], str]:
@@ -185,10 +190,8 @@ class LibraryPane(QWidget):
         self.status.setText("Reading model folders…")
         self._scan_seq += 1
         seq, folders = self._scan_seq, settings.model_folders()
-        # a scan never kills the app: a failure becomes a broken row that says what happened
-        failed = lambda e: [library_scan.LibraryEntry("", "scan failed", "broken", error=str(e))]  # noqa: E731
         run_in_background(self._mailbox, lambda: library_scan.scan(folders), lambda entries: self._scanned(seq, entries),
-                          lambda e: self._scanned(seq, failed(e)), name="library-scan")
+                          lambda e: self._scanned(seq, _scan_failed(e)), name="library-scan")
 
     def _scanned(self, seq: int, entries: list) -> None:
         # Two rescans in a row (adding two folders) run at once; only the newest may fill the table.

@@ -177,3 +177,21 @@ def test_scan_survives_unreadable_and_gguf(tmp_path, ref_fixtures):
     assert entries["a"].kind == "gguf"
     assert entries["llama-copy"].kind == "broken"
     assert "model.safetensors" in entries["llama-copy"].error and "not a safetensors file" in entries["llama-copy"].error
+
+
+def test_a_scan_that_fails_becomes_a_row_that_says_why(qtbot, make_client, tmp_path, monkeypatch):
+    """The scan runs off the UI thread; if it raises, the table shows one broken row with the
+    reason, and the app goes on."""
+    settings.set_model_folders([str(tmp_path)])
+    w = MainWindow(client=make_client(), start_engine=False)
+    qtbot.addWidget(w)
+    qtbot.waitUntil(lambda: w.library.status.text() != "Reading model folders…", timeout=20000)
+
+    def broken_scan(folders):
+        raise PermissionError(f"cannot read {folders[0]}")
+
+    monkeypatch.setattr(library_scan, "scan", broken_scan)
+    with qtbot.waitSignal(w.library.scanned, timeout=20000):
+        w.library.rescan()
+    [row] = w.library.model.entries
+    assert row.kind == "broken" and row.error == f"cannot read {tmp_path}"
