@@ -10,8 +10,6 @@
 
 namespace trellis {
 
-constexpr int kGvWarps = 8;
-
 // Debug variants (timing probes, occupancy configurations, earlier forms kept for A/Bs: the
 // `variant` of launch_gemv_ng and launch_gemv_f16) are built only where TRELLIS_DEBUG_VARIANTS is
 // defined, as the GPU tests and benchmarks ask (engine/ops/build.py). The build a user's first

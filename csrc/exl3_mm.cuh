@@ -190,10 +190,13 @@ constexpr int kGvTwoRowMaxK = 6;
 // K = 4; K = 5 would fit at 112 KB, K = 6 would not).
 constexpr int kGvFourRowMaxK = 4;
 
-// Warps resident on the GPU at the two blocks of 8 warps per SM the products' grids are sized for
-// (132 SMs, an H200's, where the count is unknown).
+// Warps in a version-3 product's block.
+constexpr int kGvWarps = 8;
+
+// Warps resident on the GPU at the two blocks of kGvWarps per SM the products' grids are sized
+// for (132 SMs, an H200's, where the count is unknown).
 inline long gv_resident_warps(int num_sms) {
-    return 2L * 8 * (num_sms > 0 ? num_sms : 132);
+    return 2L * kGvWarps * (num_sms > 0 ? num_sms : 132);
 }
 
 // Whether a version-3 product with one group of B columns takes four k rows per unit (the
