@@ -89,14 +89,11 @@ class EngineProcess:
         """Blocking stop, for when the app quits: stdin closed, then killed if need be."""
         self.expected_exit = True
         self._commands.put(None)
+        self._kill_after(timeout_s)
         try:
             self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.kill()
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("the engine (pid %d) did not exit after kill", self.popen.pid)
+            log.warning("the engine (pid %d) did not exit after kill", self.popen.pid)
 
     def kill(self) -> None:
         try:

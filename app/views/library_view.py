@@ -348,15 +348,16 @@ class LibraryPane(QWidget):
 
     def _on_error(self, err) -> None:
         if (err.id is not None and err.id == self._load_id) or err.command == "load":
-            self._load_id = None
-            self.progress.setVisible(False)
-            self.status.setText(f"Could not load: {err.message}")
+            self._load_failed(err.message)
 
     def _engine_died(self, reason: str) -> None:
         if self._load_id is not None:     # no answer will come: stop the spinner and say why
-            self._load_id = None
-            self.progress.setVisible(False)
-            self.status.setText(f"Could not load: {reason}")
+            self._load_failed(reason)
+
+    def _load_failed(self, why: str) -> None:
+        self._load_id = None
+        self.progress.setVisible(False)
+        self.status.setText(f"Could not load: {why}")
 
     def _on_model_changed(self, model) -> None:
         self.model.set_loaded((model or {}).get("model_dir"))
