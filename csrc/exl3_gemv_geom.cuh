@@ -152,17 +152,16 @@ inline int& gemv_compact() {
     return v;
 }
 
-// Small products on the compact ring on every GPU (set_gemv_lean_units; off by default until its
-// GPU tests have run): a product that would take CFG 0 with fewer than this many units per
-// resident warp (two blocks of 8 warps per SM) takes the compact one instead (unless
-// gemv_compact is kGvCompactNever); 0: never. 16 covers the shapes below. On the H200
-// at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp) and o_proj (4) ran 8% and 14%
-// faster so, while a deep ring still paid at 8192x28672 at 8 rows (108 per warp: 18% slower
-// compact; csrc/PERF_NOTES.md, session 24). Why is not established: a small product's grid gives
-// each warp 8 units (gv_blocks), which an 8-stage ring requests all at once, and the smaller
-// block leaves the SM more L1.
+// Small products on the compact ring on every GPU (set_gemv_lean_units): a product that would take
+// CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps per SM) takes the
+// compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16 covers the shapes
+// below. On the H200 at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp) and o_proj (4)
+// ran 8% and 13% faster so, and its decode 2.7% faster, while a deep ring still paid at
+// 8192x28672 at 8 rows (108 per warp: 18% slower compact; csrc/PERF_NOTES.md, sessions 24 and
+// 26). Why is not established: a small product's grid gives each warp 8 units (gv_blocks), which
+// an 8-stage ring requests all at once, and the smaller block leaves the SM more L1.
 inline int& gemv_lean_units() {
-    static int v = 0;
+    static int v = 16;
     return v;
 }
 

@@ -230,7 +230,7 @@ void set_gemv_finish_rows(int rows);
 // never (as before).
 void set_gemv_compact(int mode);
 // Below how many units per resident warp a product that would take CFG 0 takes the compact ring
-// on any GPU (default 0: never; exl3_gemv_geom.cuh, gemv_lean_units).
+// on any GPU (default 16; 0: never; exl3_gemv_geom.cuh, gemv_lean_units).
 void set_gemv_lean_units(int units);
 // Whether this build has the products' debug variant `variant` (all of them with
 // TRELLIS_DEBUG_VARIANTS; else those that take shipped kernels: exl3_gemv_geom.cuh,

@@ -78,10 +78,10 @@ FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 # session 23's GPU run checked the compact kernels so), 2 never.
 GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
 # Small products on the compact ring on every GPU: one that would take one k row per unit with
-# fewer than this many units per resident warp (TRELLIS_GV_LEAN_UNITS, e.g. 16; 0 never, the
-# default until its GPU tests have run; not in setting 2). On the H200 Llama-3.1-8B's q/k/v and
-# o_proj products ran 8% and 14% faster on that ring (session 24, csrc/PERF_NOTES.md).
-GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "0") or 0)
+# fewer than this many units per resident warp (TRELLIS_GV_LEAN_UNITS; 0 never; not in setting 2).
+# On the H200 Llama-3.1-8B's q/k/v and o_proj products ran 8% and 13% faster on that ring, and its
+# decode 2.7% faster (sessions 24 and 26, csrc/PERF_NOTES.md).
+GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
