@@ -128,7 +128,9 @@ def test_kernel_obstacle_says_what_stands_in_the_way(monkeypatch):
     assert build.kernel_obstacle().startswith("cannot build the CUDA kernels: nvcc not found")
     assert "'nvidia-nvvm==12.*'" not in build.kernel_obstacle()  # CUDA 12 has no one-prefix wheels
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert "or its wheels, pip install 'nvidia-cuda-nvcc==13.*' 'nvidia-nvvm==13.*'" in build.kernel_obstacle()
+    assert "or its wheels, pip install 'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*'" in build.kernel_obstacle()
+    monkeypatch.setattr(torch.version, "cuda", "13.2")  # pinned to PyTorch's release, not the newest 13.x
+    assert "'nvidia-cuda-crt==13.2.*' 'nvidia-cuda-cccl==13.2.*'" in build.kernel_obstacle()
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(build, "_find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
     assert build.kernel_obstacle() is None
@@ -157,7 +159,7 @@ def test_a_toolkit_from_pypi_wheels_stands_in_for_a_missing_one(monkeypatch, tmp
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert build._find_nvcc() is None and "'nvidia-cuda-nvcc==13.*'" in build.pip_toolkit_hint()
+    assert build._find_nvcc() is None and "'nvidia-cuda-nvcc==13.0.*'" in build.pip_toolkit_hint()
     monkeypatch.setattr(build.sys, "path", [str(tmp_path / "elsewhere"), str(site)])
     assert build.pip_toolkit() == prefix and build._find_nvcc() == str(prefix / "bin" / "nvcc")
     monkeypatch.setenv("CUDA_HOME", "")  # restored after the test: _use_pip_toolkit sets it

@@ -92,14 +92,18 @@ def pip_toolkit() -> Path | None:
 
 
 def pip_toolkit_hint() -> str:
-    """How to install pip_toolkit's wheels for this PyTorch's CUDA ("" where none exist: before 13)."""
+    """How to install pip_toolkit's wheels for this PyTorch's CUDA ("" where none exist: before 13).
+    Pinned to PyTorch's CUDA minor: the wheels do not pin each other to one release, so an unpinned
+    nvcc would be the newest 13.x, compiling against the runtime headers of PyTorch's older one."""
     import torch
 
-    major = (torch.version.cuda or "").split(".")[0]
+    version = torch.version.cuda or ""
+    major = version.split(".")[0]
     if not major.isdigit() or int(major) < 13:
         return ""
+    release = ".".join(version.split(".")[:2])
     names = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-cccl")
-    return "pip install " + " ".join(f"'{n}=={major}.*'" for n in names)
+    return "pip install " + " ".join(f"'{n}=={release}.*'" for n in names)
 
 
 def _find_nvcc() -> str | None:
