@@ -152,14 +152,15 @@ inline int& gemv_compact() {
     return v;
 }
 
-// Small products on the compact ring on every GPU (set_gemv_lean_units): a product that would take
-// CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps per SM) takes the
-// compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16 covers the shapes
-// below. On the H200 at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp) and o_proj (4)
-// ran 8% and 13% faster so, and its decode 2.7% faster, while a deep ring still paid at
-// 8192x28672 at 8 rows (108 per warp: 18% slower compact; csrc/PERF_NOTES.md, sessions 24 and
-// 26). Why is not established: a small product's grid gives each warp 8 units (gv_blocks), which
-// an 8-stage ring requests all at once, and the smaller block leaves the SM more L1.
+// Small products on the compact ring on every GPU (set_gemv_lean_units): a product of one group of
+// rows (up to 4 on the integer path, 8 on the fp16 path; more groups have not been timed on it)
+// that would take CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps
+// per SM) takes the compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16
+// covers the shapes below. On the H200 at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp)
+// and o_proj (4) ran 8% and 13% faster so, and its decode 2.7% faster, while a deep ring still
+// paid at 8192x28672 at 8 rows (108 per warp: 18% slower compact; csrc/PERF_NOTES.md, sessions 24
+// and 26). Why is not established: a small product's grid gives each warp 8 units (gv_blocks),
+// which an 8-stage ring requests all at once, and the smaller block leaves the SM more L1.
 inline int& gemv_lean_units() {
     static int v = 16;
     return v;
@@ -200,7 +201,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
     constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
     if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
         const long units = (long)(out / 16 / GvShape<PATH, NG, 0>::CT) * (in / 16);
-        const bool lean = mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
+        const bool lean = NG == 1 && mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
         if (!one_row && (lean || !fits(w0))) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
     }
     return pick(0, w0);

@@ -189,8 +189,9 @@ def test_small_products_take_the_compact_ring(compact):
     """With the lean-units setting at 16 a product that would take one k row per unit with
     fewer than that many units per resident warp takes the compact ring, on the H200 too: at one
     row Llama-3.1-8B's q/k/v (4096x6144) and o_proj (4096x4096) do, its gate/up and down (four k
-    rows) and 8192x28672 at 8 rows (108 units per warp) do not. Setting 2 (never) and 0 (lean off)
-    keep CFG 0; what runs is what the plan names."""
+    rows) and 8192x28672 at 8 rows (108 units per warp) do not, nor do products of more than one
+    group of rows (untimed on that ring: 4096x4096 at 32 rows has 15.5 units per warp). Setting 2
+    (never) and 0 (lean off) keep CFG 0; what runs is what the plan names."""
     ext = ops.extension()
     ext.set_gemv_compact(TWO_BLOCKS)
     ext.set_gemv_lean_units(16)
@@ -199,6 +200,8 @@ def test_small_products_take_the_compact_ring(compact):
     assert _plan(4, True, 1, 4096, 28672, H200)[0] == 10
     assert _plan(4, True, 1, 14336, 4096, H200)[0] == 10
     assert _plan(4, True, 8, 8192, 28672, H200)[0] == 0
+    assert _plan(4, False, 8, 4096, 4096, H200)[0] == COMPACT_CFG  # one group on the fp16 path
+    assert _plan(4, False, 32, 4096, 4096, H200)[0] == 0  # four groups
     t = rand_layer(4096, 4096, 4, "mul1", seed=77, bias=True)
     x = torch.randn(1, 4096, device=DEV).half()
     ran = _gemv_cfgs(lambda: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3))
