@@ -3,7 +3,8 @@
 # (the README's install line for users without nvcc). The wheels (~97 MB for 13.0) exceed one
 # device call's 64 MiB carry, so they travel in two calls, back to back while the machine is warm:
 #   bash bench/check_pip_toolkit.sh fetch   here: download the wheels of this PyTorch's CUDA release
-#                                           into .devcarry/tk1 (nvvm) and .devcarry/tk2 (the rest);
+#                                           (CUDA_RELEASE=13.x to choose; 13.0 where python3 has no
+#                                           torch) into .devcarry/tk1 (nvvm) and .devcarry/tk2;
 #   bash bench/check_pip_toolkit.sh 1       device, carry .devcarry/tk1: park nvvm in /tmp/tk;
 #   bash bench/check_pip_toolkit.sh 2       device, carry .devcarry/tk2 and .devcarry/shared: install
 #                                           the wheels, hide the system toolkit (PATH, CUDA_HOME,

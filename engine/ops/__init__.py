@@ -77,9 +77,9 @@ FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
 # never on an H200), 0 only where the shipped block cannot launch at all, 1 always (a test knob;
 # session 23's GPU run checked the compact kernels so), 2 never.
 GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
-# Small products on the compact ring on every GPU: one of one group of rows (up to 4 on the integer
-# path, 8 on the fp16 one) that would take one k row per unit with fewer than this many units per
-# resident warp (TRELLIS_GV_LEAN_UNITS; 0 never; not in setting 2).
+# Small products on the compact ring on every GPU: a product of one group of rows (up to 4 on the
+# integer path, 8 on the fp16 one) that would take one k row per unit with fewer than this many
+# units per resident warp (TRELLIS_GV_LEAN_UNITS; 0 never; not in setting 2).
 # On the H200 Llama-3.1-8B's q/k/v and o_proj products ran 8% and 13% faster on that ring, and its
 # decode 2.7% faster (sessions 24 and 26, csrc/PERF_NOTES.md).
 GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)

@@ -97,11 +97,10 @@ def pip_toolkit_hint() -> str:
     nvcc would be the newest 13.x, compiling against the runtime headers of PyTorch's older one."""
     import torch
 
-    version = torch.version.cuda or ""
-    major = version.split(".")[0]
-    if not major.isdigit() or int(major) < 13:
+    parts = (torch.version.cuda or "").split(".")
+    if not parts[0].isdigit() or int(parts[0]) < 13:
         return ""
-    release = ".".join(version.split(".")[:2])
+    release = ".".join(parts[:2])
     names = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-cccl")
     return "pip install " + " ".join(f"'{n}=={release}.*'" for n in names)
 
