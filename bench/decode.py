@@ -26,6 +26,8 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-leanN  cuda-graph with products that would take one k row per unit taking the
               compact ring below N units per resident warp (TRELLIS_GV_LEAN_UNITS picks the
               default; lean0: never)
+  cuda-graph-leangroupsN  cuda-graph with that rule for products of up to N groups of rows
+              (TRELLIS_GV_LEAN_GROUPS picks the default, 1)
   cuda-graph-torchargmax  cuda-graph with each token picked by torch.argmax (two launches) instead
               of ops.argmax (one kernel), as before session 13
   cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
@@ -367,6 +369,7 @@ def main(argv=None) -> int:
             ops.extension().set_mm_debug_variant(pick(PROBE_VARIANTS, ops._DEFAULT_VARIANT))
             ops.extension().set_gemv_four_row_units(pick_number("fourrows", ops.FOUR_ROW_UNITS))
             ops.extension().set_gemv_lean_units(pick_number("lean", ops.GV_LEAN_UNITS))
+            ops.extension().set_gemv_lean_groups(pick_number("leangroups", ops.GV_LEAN_GROUPS))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)

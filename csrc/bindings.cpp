@@ -839,6 +839,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "products on a ring that fits two blocks in 100 KB per SM: 3 where two shipped blocks do not fit on an SM (default), 0 where the shipped block cannot launch, 1 always, 2 never");
     m.def("set_gemv_lean_units", &trellis::set_gemv_lean_units,
           "products that would take one k row per unit with fewer units than this per resident warp take the compact ring (default 16; 0: never)");
+    m.def("set_gemv_lean_groups", &trellis::set_gemv_lean_groups,
+          "the most groups of rows (8 fp16 rows, 4 integer rows each) a product may have for the lean rule (default 1)");
     m.def("gemv_plan",
           [](int64_t K, bool int8, int64_t rows, bool self_prep, bool chain, int64_t in, int64_t out, int64_t num_sms,
              int64_t per_block, int64_t per_sm, int64_t reserved) {

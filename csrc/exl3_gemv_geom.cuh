@@ -165,6 +165,12 @@ inline int& gemv_lean_units() {
     static int v = 16;
     return v;
 }
+// The most groups of rows a product may have and still take the compact ring by the lean rule
+// (set_gemv_lean_groups; default 1, where the rule was timed; up to 4, the fp16 path's 32 rows).
+inline int& gemv_lean_groups() {
+    static int v = 1;
+    return v;
+}
 
 // The configuration a product takes, its block's shared memory, and how many of its blocks fit on
 // an SM of a GPU with these limits (0: it cannot launch there). Shipped: four k rows per unit
@@ -201,7 +207,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
     constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
     if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
         const long units = (long)(out / 16 / GvShape<PATH, NG, 0>::CT) * (in / 16);
-        const bool lean = NG == 1 && mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
+        const bool lean = NG <= gemv_lean_groups() && mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
         if (!one_row && (lean || !fits(w0))) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());
     }
     return pick(0, w0);

@@ -276,6 +276,7 @@ void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 void set_gemv_lean_units(int units) { gemv_lean_units() = units > 0 ? units : 0; }
+void set_gemv_lean_groups(int groups) { gemv_lean_groups() = groups < 1 ? 1 : groups; }
 
 // ---------------------------------------------------------------------------------------------
 // 128-point Hadamard: a warp per kHadTasks (row, 128-wide block) tasks, 4 values per lane, all

@@ -232,6 +232,8 @@ void set_gemv_compact(int mode);
 // Below how many units per resident warp a product that would take CFG 0 takes the compact ring
 // on any GPU (default 16; 0: never; exl3_gemv_geom.cuh, gemv_lean_units).
 void set_gemv_lean_units(int units);
+// The most groups of rows (8 fp16 rows, 4 integer rows each) a product may have for that rule (default 1).
+void set_gemv_lean_groups(int groups);
 // Whether this build has the products' debug variant `variant` (all of them with
 // TRELLIS_DEBUG_VARIANTS; else those that take shipped kernels: exl3_gemv_geom.cuh,
 // debug_variant_built, the one list).

@@ -43,6 +43,7 @@ def compact():
     yield ext.set_gemv_compact
     ext.set_gemv_compact(ops.GV_COMPACT)
     ext.set_gemv_lean_units(ops.GV_LEAN_UNITS)
+    ext.set_gemv_lean_groups(ops.GV_LEAN_GROUPS)
 
 
 def _plan(K, int8, rows, n_in, n_out, limits=(0, 0, 0), sp=False, chain=False):
@@ -214,4 +215,24 @@ def test_small_products_take_the_compact_ring(compact):
     ext.set_gemv_lean_units(16)
     ext.set_gemv_compact(NEVER)
     assert _plan(4, True, 1, 4096, 4096, H200)[0] == 0
+    assert workspaces_zero()
+
+
+def test_lean_groups_widen_the_rule(compact):
+    """The lean-groups setting lets products of more groups of rows take the rule: at 4 a 4096x4096
+    product of 32 fp16 rows (15.5 units per warp) takes the compact ring, and its result matches
+    the shipped ring's; 8192x28672 at 32 rows has too many units either way."""
+    ext = ops.extension()
+    ext.set_gemv_compact(TWO_BLOCKS)
+    ext.set_gemv_lean_units(16)
+    ext.set_gemv_lean_groups(4)
+    assert _plan(4, False, 32, 4096, 4096, H200)[0] == COMPACT_CFG
+    assert _plan(4, False, 16, 4096, 4096, H200)[0] == COMPACT_CFG
+    assert _plan(4, False, 32, 8192, 28672, H200)[0] == 0
+    t = rand_layer(4096, 4096, 4, "mul1", seed=78)
+    x = torch.randn(32, 4096, device=DEV).half()
+    y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+    ext.set_gemv_lean_groups(1)
+    assert _plan(4, False, 32, 4096, 4096, H200)[0] == 0
+    assert rel_rms(y, ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)) < 1e-3
     assert workspaces_zero()

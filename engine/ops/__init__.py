@@ -83,6 +83,9 @@ GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
 # On the H200 Llama-3.1-8B's q/k/v and o_proj products ran 8% and 13% faster on that ring, and its
 # decode 2.7% faster (sessions 24 and 26, csrc/PERF_NOTES.md).
 GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
+# The most groups of rows a product may have and still take the rule above
+# (TRELLIS_GV_LEAN_GROUPS; 1 is where it was timed, 4 reaches the fp16 path's 32 rows).
+GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
@@ -173,6 +176,7 @@ def extension():
         _ext.set_gemv_four_row_units(FOUR_ROW_UNITS)
         _ext.set_gemv_compact(GV_COMPACT)
         _ext.set_gemv_lean_units(GV_LEAN_UNITS)
+        _ext.set_gemv_lean_groups(GV_LEAN_GROUPS)
         # When the kernel after a product may launch: 2 (default) once each of its warps leaves
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
