@@ -535,7 +535,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // F16 accumulators. MUL1 with one group of 8 rows: of 1024 + t, with the rows' sums of x in
     // sacc (gv_mul1_row_sum, gv_flush_f16): 8-10% faster at 5..8 rows of large layers. With
     // more groups the registers it takes cost more than the HFMA2s it saves (7% slower at 16
-    // rows; csrc/PERF_NOTES.md, session 10).
+    // rows; csrc/PERF_NOTES.md, session 10); the block-shared kernel (17..32 rows of large
+    // layers) takes its row sums from its slice's copy of the activations instead (session 27).
     float acc[NG][CT][4];
     constexpr bool kRawMul1 = PATH == GV_F16 && CB == CB_MUL1 && NG == 1;
     float sacc[NG][4];

@@ -22,11 +22,14 @@ namespace trellis {
 
 // CFG 0 (shipped): two k rows per unit (per-unit work paid once per 2 k rows: 103 us instead of
 // 117 for 8192x28672 at 32 rows, csrc/PERF_NOTES.md session 8); benchmark knobs (debug variants
-// 32-34): 1 one k row per unit, 2 four tiles per unit at every NG, 3 both.
+// 32-34): 1 one k row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (debug variant
+// 35): the shipped shape with MUL1's affine step per weight pair, as before session 27 (kSaAffine).
+constexpr int kSaAffine = 4;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
-    static constexpr int CT = NG == 4 || CFG >= 2 ? 4 : 8;      // tiles per unit: 16 * NG * CT accumulators
-    static constexpr int KR = CFG % 2 ? 1 : 2;                  // k rows per unit
+    static constexpr int C = CFG & 3;                           // the shape part of CFG
+    static constexpr int CT = NG == 4 || C >= 2 ? 4 : 8;        // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int KR = C % 2 ? 1 : 2;                    // k rows per unit
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
@@ -34,6 +37,7 @@ struct SaShape {
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
     static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
     static constexpr int RING_WORDS = kGvWarps * NS * SW;
+    static constexpr int SUM_WORDS = 32;                        // the slice's row sums (MUL1, raw decode)
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -53,6 +57,13 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                     int early_trigger, int finish_rows, const __grid_constant__ SaGrid grid) {
     using S = SaShape<K, NG, CFG>;
     constexpr int CT = S::CT, KR = S::KR, TW = S::TW, SW = S::SW, NS = S::NS, BROW = S::BROW;
+    // MUL1 decodes to 1024 + t (decode_pair_mul1_raw) without the affine step per weight pair (4
+    // HFMA2 per tile): the flush applies k_inv to each sum, and the warp holding a column group's
+    // first k row of the slice adds k_bias times the slice's row sums of x (computed once per block
+    // from its copy), as the one-group per-warp kernel does with its MMA row sums. On an H100
+    // (session 27): 8192x28672 and 28672x8192 at 17 and 32 rows 6% faster, 14336x4096 2-4%,
+    // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
+    constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 
@@ -79,6 +90,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
+    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
+    if (RAW && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
 
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
@@ -123,6 +136,23 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     }
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (RAW) {
+        // Word w of a k row's fragments holds two values of row (w / 64) * 8 + (w % 64) / 8: a
+        // thread keeps one word position (BROW is a multiple of 256 / 4 = 64) over its k rows, the
+        // 8 lanes of one row add theirs, and one of them adds the row's total into shared memory.
+        const int w = threadIdx.x % BROW;
+        float t = 0.f;
+        for (int r = threadIdx.x / BROW; r < nr; r += kGvWarps * 32 / BROW) {
+            const float2 f = __half22float2(as_h2(sa_smem[acts + r * BROW + w]));
+            t += f.x + f.y;
+        }
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        t += __shfl_xor_sync(0xffffffffu, t, 4);
+        const int row = (w >> 6) * 8 + ((w & 63) >> 3);
+        if ((w & 7) == 0 && row < m) atomicAdd(row_sums + row, t);
+        __syncthreads();
+    }
     if (n_units <= 0) return;
 
     int wa, wb, wc, shift;
@@ -133,6 +163,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 
     int c_grp = g_first + (int)(u0 / nru);
     int c_row = r0 + KR * (int)(u0 % nru);
+    bool grp_row0 = c_row == r0;  // this warp does the slice's first k row of column group c_grp
     int c_slot = 0;
     int seg_units = 0;  // k rows of the current column group done by this warp
     float acc[NG][CT][4];
@@ -172,7 +203,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
             for (int ct = 0; ct < CT; ++ct) {
                 uint32_t v[4];
-                gv_decode_f16<K, CB>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
+                gv_decode_f16<K, CB, RAW>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
             }
@@ -183,10 +214,24 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
             if (y) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
-            gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+            if constexpr (RAW) {
+                // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
+                float sacc[NG][4];
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr) {
+                    const int row = gr * 8 + 2 * (lane & 3);
+                    sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
+                    sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                    sacc[gr][2] = sacc[gr][3] = 0.f;
+                }
+                gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
+            } else {
+                gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+            }
             if (y) finish_block(sv, bv);
             if (!last) {
                 zero_acc();
+                grp_row0 = true;
                 c_row = r0;
                 ++c_grp;
                 seg_units = 0;
@@ -208,7 +253,7 @@ int sa_slice_rows(int tk) {
     const int half_sm = lim.per_sm / 2 - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && half_sm < lim.per_block;
     const int budget = two ? half_sm : lim.per_block;
-    const int fit = (budget / 4 - S::RING_WORDS) / S::BROW;
+    const int fit = (budget / 4 - S::RING_WORDS - S::SUM_WORDS) / S::BROW;
     const int ks = fit < S::KS ? fit : S::KS;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
 }
@@ -255,11 +300,11 @@ SaGrid sa_grid(const MmArgs& a) {
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
 // 14336x4096, so the per-warp kernel stays); 2 always.
-// Debug variants 30 and 32-34 force it on, 31 and the other variants (probes and configurations
+// Debug variants 30 and 32-35 force it on, 31 and the other variants (probes and configurations
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || variant > 34 || variant == 31)) return false;
+    if (variant != 0 && (variant < 30 || variant > 35 || variant == 31)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
@@ -276,7 +321,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS) * 4;
+    const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
     return launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem,
                            stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
                            a.counters, a.early_trigger, gemv_finish_rows(), gd);
@@ -291,6 +336,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
             if (variant == 33) return launch_gemv_sa<K, CB, NG, 2>(a, stream);
             if (variant == 34) return launch_gemv_sa<K, CB, NG, 3>(a, stream);
+            if (variant == 35) return launch_gemv_sa<K, CB, NG, kSaAffine>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -18,9 +18,9 @@ from engine.formats import exl3 as fmt  # noqa: E402
 from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
-# configurations (one k row per unit, four tiles per unit, both)
+# configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair)
 SHARED, PER_WARP = 30, 31
-BENCH_CONFIGS = (32, 33, 34)
+BENCH_CONFIGS = (32, 33, 34, 35)
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))
@@ -135,4 +135,23 @@ def test_deferred_finish_matches_row_by_row(variant):
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows)
             # the same sums, added by atomics in whatever order the warps reach them
             assert rel_rms(got[0], got[1]) < 1e-3
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("rows", [9, 17, 32])
+def test_shared_kernel_mul1_row_sums_over_slices(rows):
+    """MUL1 on the block-shared kernel decodes to 1024 + t and adds k_bias times the row sums of
+    each k slice once per column group: inputs of mean 1 with unit input scales make that term
+    ~30x the product, on a shape of several slices (8192 inputs) and several blocks per slice;
+    the per-pair affine decode (variant 35) and the per-warp kernel agree with it."""
+    t = rand_layer(8192, 2048, 4, "mul1", seed=rows)
+    t = fmt.EXL3Tensors(t.trellis, torch.ones_like(t.suh), t.svh, "mul1", None)
+    x = (1.0 + 0.1 * torch.randn(rows, 8192, device=DEV)).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    got = {}
+    for variant in (SHARED, 35, PER_WARP):
+        with ops.debug_variant(variant):
+            got[variant] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        assert rel_rms(got[variant], want) < 2e-3, (variant, rel_rms(got[variant], want))
+    assert rel_rms(got[SHARED], got[35]) < 1e-3
     assert workspaces_zero()

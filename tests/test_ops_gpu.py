@@ -88,11 +88,13 @@ def test_mul1_fp16_path_applies_the_affine_step_per_output(n_in, n_out):
     k_bias once per output, with each row's sum of the rotated input from one MMA per k row
     (csrc/exl3_gemv.cuh, gv_mul1_row_sum). Unit input scales and inputs of mean 1 put a large
     value at the head of every 128-chunk after the rotation, so the k_bias term is ~30x the
-    product: a missing or misplaced row sum cannot hide. 4096x14336 takes two k rows per unit."""
+    product: a missing or misplaced row sum cannot hide. 4096x14336 takes two k rows per unit,
+    and at 17 and 32 rows the block-shared kernel, whose row sums come from its slice's copy of
+    the activations (csrc/exl3_gemv_sa.cuh)."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=n_out)
     t = fmt.EXL3Tensors(t.trellis, torch.ones_like(t.suh), t.svh, "mul1", None)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (1, 3, 5, 8, 12):
+    for rows in (1, 3, 5, 8, 12, 17, 32):
         x = (1.0 + 0.1 * torch.randn(rows, n_in, device=DEV)).half()
         y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
         err = rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w))
