@@ -153,8 +153,7 @@ inline int& gemv_compact() {
 }
 
 // Small products on the compact ring on every GPU (set_gemv_lean_units): a product of one group of
-// rows (up to 4 on the integer path, 8 on the fp16 path; more groups have not been timed on it)
-// that would take CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps
+// rows (up to 4 on the integer path, 8 on the fp16 path; more with gemv_lean_groups) that would take CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps
 // per SM) takes the compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16
 // covers the shapes below. On the H200 at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp)
 // and o_proj (4) ran 8% and 13% faster so, and its decode 2.7% faster, while a deep ring still
@@ -166,7 +165,8 @@ inline int& gemv_lean_units() {
     return v;
 }
 // The most groups of rows a product may have and still take the compact ring by the lean rule
-// (set_gemv_lean_groups; default 1, where the rule was timed; up to 4, the fp16 path's 32 rows).
+// (set_gemv_lean_groups; default 1). Four (the fp16 path's 32 rows) left decode at batch 4-32 the
+// same or up to 2% slower on an H100 (csrc/PERF_NOTES.md, session 27).
 inline int& gemv_lean_groups() {
     static int v = 1;
     return v;

@@ -138,8 +138,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     __syncthreads();
     if constexpr (RAW) {
         // Word w of a k row's fragments holds two values of row (w / 64) * 8 + (w % 64) / 8: a
-        // thread keeps one word position (BROW is a multiple of 256 / 4 = 64) over its k rows, the
-        // 8 lanes of one row add theirs, and one of them adds the row's total into shared memory.
+        // thread keeps one word position over its k rows (BROW, 64 words per group, divides the
+        // block's 256 threads), the 8 lanes of one row add theirs, and one of them adds the sum to
+        // the row's total in shared memory.
         const int w = threadIdx.x % BROW;
         float t = 0.f;
         for (int r = threadIdx.x / BROW; r < nr; r += kGvWarps * 32 / BROW) {
