@@ -153,8 +153,9 @@ inline int& gemv_compact() {
 }
 
 // Small products on the compact ring on every GPU (set_gemv_lean_units): a product of one group of
-// rows (up to 4 on the integer path, 8 on the fp16 path; more with gemv_lean_groups) that would take CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps
-// per SM) takes the compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16
+// rows (up to 4 on the integer path, 8 on the fp16 path; more with gemv_lean_groups) that would
+// take CFG 0 with fewer than this many units per resident warp (two blocks of 8 warps per SM)
+// takes the compact one instead (unless gemv_compact is kGvCompactNever); 0: never. 16
 // covers the shapes below. On the H200 at one row, K = 4, Llama-3.1-8B's q/k/v (6 units per warp)
 // and o_proj (4) ran 8% and 13% faster so, and its decode 2.7% faster, while a deep ring still
 // paid at 8192x28672 at 8 rows (108 per warp: 18% slower compact; csrc/PERF_NOTES.md, sessions 24

@@ -190,9 +190,10 @@ def test_small_products_take_the_compact_ring(compact):
     """With the lean-units setting at 16 a product that would take one k row per unit with
     fewer than that many units per resident warp takes the compact ring, on the H200 too: at one
     row Llama-3.1-8B's q/k/v (4096x6144) and o_proj (4096x4096) do, its gate/up and down (four k
-    rows) and 8192x28672 at 8 rows (108 units per warp) do not, nor do products of more than one
-    group of rows (untimed on that ring: 4096x4096 at 32 rows has 15.5 units per warp). Setting 2
-    (never) and 0 (lean off) keep CFG 0; what runs is what the plan names."""
+    rows) and 8192x28672 at 8 rows (108 units per warp) do not, nor, with the lean-groups setting
+    at its default 1, do products of more than one group of rows (4096x4096 at 32 rows has 15.5
+    units per warp). Setting 2 (never) and 0 (lean off) keep CFG 0; what runs is what the plan
+    names."""
     ext = ops.extension()
     ext.set_gemv_compact(TWO_BLOCKS)
     ext.set_gemv_lean_units(16)
