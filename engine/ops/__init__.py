@@ -85,7 +85,7 @@ GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
 GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
 # The most groups of rows a product may have and still take the rule above
 # (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
-# 2% and 0.4% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
+# 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
 GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
