@@ -833,6 +833,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
+    m.def("set_gemv_split_finish", &trellis::set_gemv_split_finish,
+          "the block-shared product's output transform as a kernel of its own after it (default) or in the warp that completes each block");
+    m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,
+          "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,
           "whether this build has this debug variant of the products (all with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,
@@ -853,6 +857,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("K"), py::arg("int8"), py::arg("rows"), py::arg("self_prep"), py::arg("chain"), py::arg("in_features"),
           py::arg("out_features"), py::arg("num_sms"), py::arg("per_block") = 0, py::arg("per_sm") = 0,
           py::arg("reserved") = 0);
+    m.def("gemv_sa_plan",
+          [](int64_t K, int64_t rows, int64_t in, int64_t out, int64_t num_sms) {
+              int slices = 0, slice_rows = 0;
+              const int blocks = trellis::gemv_sa_plan((int)K, (int)rows, (int)in, (int)out, (int)num_sms, slices, slice_rows);
+              return std::make_tuple(blocks, slices, slice_rows);
+          },
+          "(blocks, k slices, rows of the largest slice) of the block-shared product's grid on this GPU",
+          py::arg("K"), py::arg("rows"), py::arg("in_features"), py::arg("out_features"), py::arg("num_sms"));
     m.def("set_gemv_finish_rows", &trellis::set_gemv_finish_rows,
           "workspace rows a finishing warp reads per round trip: 8 (default) or 1 (row by row, a baseline)");
     m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");

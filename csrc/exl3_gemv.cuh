@@ -214,6 +214,55 @@ __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, hal
     }
 }
 
+// The output transform of a many-row product as a kernel of its own (gemv_split_finish): a warp per
+// task of one row of one 128-column block (kTasks per warp, loaded together), launched as the
+// product's programmatic dependent, so it starts as the product's blocks leave and reads the
+// workspace once the whole product is done. Why: done by the warp that completes each block, after
+// its main loop, the transform of 17..32 rows sat on the product's tail as one warp's chain of L2
+// round trips per block, and with the completion counts it took ~15 us of a 32-row product on
+// every large shape (timing probes, csrc/PERF_NOTES.md session 28); here thousands of warps share
+// it. The same rounding as gv_finish_row; the workspace is zeroed behind the read.
+template <int kTasks>
+__global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, half* __restrict__ y, int ldy,
+                                                         const half* __restrict__ svh, const half* __restrict__ bias,
+                                                         int m, int out) {
+    const int lane = threadIdx.x & 31;
+    const long task0 = ((long)blockIdx.x * 8 + (threadIdx.x >> 5)) * kTasks;
+    const int blocks = out >> 7;
+    const long tasks = (long)m * blocks;
+    int rs[kTasks], ks[kTasks];
+    uint2 sv[kTasks], bv[kTasks];
+#pragma unroll
+    for (int j = 0; j < kTasks; ++j) {  // the weights before the wait: they do not depend on the product
+        const long t = task0 + j < tasks ? task0 + j : tasks - 1;
+        rs[j] = (int)(t / blocks);
+        ks[j] = (int)(t - (long)rs[j] * blocks) * 128 + lane * 4;
+        bv[j] = make_uint2(0u, 0u);
+        sv[j] = __ldg(reinterpret_cast<const uint2*>(svh + ks[j]));
+        if (bias) bv[j] = __ldg(reinterpret_cast<const uint2*>(bias + ks[j]));
+    }
+    pdl_wait_primary();
+    pdl_launch_dependents();
+    float4 f[kTasks];
+#pragma unroll
+    for (int j = 0; j < kTasks; ++j)
+        if (task0 + j < tasks) f[j] = __ldcg(reinterpret_cast<const float4*>(z + (size_t)rs[j] * out + ks[j]));
+#pragma unroll
+    for (int j = 0; j < kTasks; ++j) {
+        if (task0 + j >= tasks) break;
+        __stcg(reinterpret_cast<float4*>(z + (size_t)rs[j] * out + ks[j]), make_float4(0.f, 0.f, 0.f, 0.f));
+        gv_finish_row(f[j], kHadNorm, y + (size_t)rs[j] * ldy + ks[j], sv[j], bv[j], bias != nullptr, lane);
+    }
+}
+constexpr int kGvFinishTasks = 2;
+
+// Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y).
+inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream) {
+    const long warps = ((long)a.m * (a.out >> 7) + kGvFinishTasks - 1) / kGvFinishTasks;
+    return launch_pdl(gv_finish_kernel<kGvFinishTasks>, dim3((unsigned)((warps + 7) / 8)), dim3(256), 0, stream,
+                      a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out);
+}
+
 // Tile decode of the fp16 path: the lane's 8 states of the tile at word `tile` of shared memory,
 // as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
 // RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it

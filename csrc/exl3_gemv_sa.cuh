@@ -20,16 +20,21 @@
 
 namespace trellis {
 
-// CFG 0 (shipped): two k rows per unit (per-unit work paid once per 2 k rows: 103 us instead of
-// 117 for 8192x28672 at 32 rows, csrc/PERF_NOTES.md session 8); benchmark knobs (debug variants
-// 32-34): 1 one k row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (debug variant
-// 35): the shipped shape with MUL1's affine step per weight pair, as before session 27 (kSaAffine).
-constexpr int kSaAffine = 4;
+// CFG 0 (shipped): four k rows per unit at four row groups and K <= 4, else two. Per-unit work is
+// paid once per 16 or 8 tiles: at 32 rows of 8192x28672 two k rows took 103 us against one's 117
+// (session 8) and four 6% less than two (session 28, csrc/PERF_NOTES.md); at K > 4 a four-row
+// stage would take ring space from the slice. Benchmark knobs (debug variants 32-34): 1 one k
+// row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (variant 35): MUL1's affine
+// step per weight pair, as before session 27 (kSaAffine). CFG 16 (variant 37): two k rows per
+// unit at four groups too, as before session 28 (kSaTwoRows). Timing probes with wrong results:
+// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail), CFG
+// 32 (variant 38) the atomics without the count and output stage (kSaNoFinish).
+constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
     static constexpr int CT = NG == 4 || C >= 2 ? 4 : 8;        // tiles per unit: 16 * NG * CT accumulators
-    static constexpr int KR = C % 2 ? 1 : 2;                    // k rows per unit
+    static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
@@ -214,22 +219,31 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         if ((c_row += KR) == r0 + nr || last) {
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
-            if (y) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
-            if constexpr (RAW) {
-                // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
-                float sacc[NG][4];
+            if constexpr (CFG & kSaNoTail) {  // probe: keep the sums alive without the tail
+                float t = 0.f;
 #pragma unroll
-                for (int gr = 0; gr < NG; ++gr) {
-                    const int row = gr * 8 + 2 * (lane & 3);
-                    sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
-                    sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
-                    sacc[gr][2] = sacc[gr][3] = 0.f;
-                }
-                gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
+                for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+                    for (int ct = 0; ct < CT; ++ct) t += acc[gr][ct][0] + acc[gr][ct][3];
+                if (t == 1.25e-37f) z[lane] = t;
             } else {
-                gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+                if (y && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                if constexpr (RAW) {
+                    // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
+                    float sacc[NG][4];
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr) {
+                        const int row = gr * 8 + 2 * (lane & 3);
+                        sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
+                        sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                        sacc[gr][2] = sacc[gr][3] = 0.f;
+                    }
+                    gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
+                } else {
+                    gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+                }
+                if (y && finish_rows && !(CFG & kSaNoFinish)) finish_block(sv, bv);
             }
-            if (y) finish_block(sv, bv);
             if (!last) {
                 zero_acc();
                 grp_row0 = true;
@@ -259,11 +273,16 @@ int sa_slice_rows(int tk) {
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
 }
 
-// The slices: as few as shared memory allows, but enough that a block has about 8 column groups
-// (its slice copy then costs an eighth of the trellis it serves; a small layer otherwise copies
-// a 64-row slice into every block for one group), and slices of equal size. Then blocks per
-// slice for each segment: about two blocks per SM in all, in proportion to the segment's
-// columns, with at least gemv_min_units() units per warp.
+// The slices: as few as shared memory allows, of equal size, but enough that a block has about 2
+// column groups (a small layer otherwise copies a 64-row slice into every block for a fraction of
+// one group). Fewer slices, fewer partial sums per output into the workspace: at 32 rows that
+// traffic, its completion counts and the output stage took a quarter of 8192x28672's time and
+// half of 4096x14336's (no-tail probe, session 28). Then blocks per slice for each segment, in
+// proportion to its columns, with at least gemv_min_units() two-k-row units per warp, and never
+// more than two blocks per SM in all: one more would run in a second wave (4096x28672 at 17..32
+// rows: 265 blocks, 30% slower; csrc/PERF_NOTES.md).
+// gemv_sa_grid() == 0: the rule before session 28, a benchmark baseline (about 8 column groups per
+// block; blocks per slice rounded to nearest, so sometimes a block more than fits at once).
 template <int K, int NG, int CFG = 0>
 SaGrid sa_grid(const MmArgs& a) {
     using S = SaShape<K, NG, CFG>;
@@ -272,7 +291,8 @@ SaGrid sa_grid(const MmArgs& a) {
     const int groups = a.out / 16 / S::CT;
     const long target = 2L * (a.num_sms > 0 ? a.num_sms : 132);
     const int ksu_fit = sa_slice_rows<K, NG, CFG>(tk) / S::KR;
-    long nsl = (target * 8 + groups - 1) / groups;
+    const bool old_rule = gemv_sa_grid() == 0;
+    long nsl = (target * (old_rule ? 8 : 2) + groups - 1) / groups;
     if (nsl > tk / 8) nsl = tk / 8;
     if (nsl < (tku + ksu_fit - 1) / ksu_fit) nsl = (tku + ksu_fit - 1) / ksu_fit;
     gd.nsl = (int)nsl;
@@ -287,8 +307,14 @@ SaGrid sa_grid(const MmArgs& a) {
     const int rows = gd.ks;
     for (int s = 0; s < gd.nseg; ++s) {
         const long gs = gd.seg_grp[s + 1] - gd.seg_grp[s];
-        long nb = (target * gs + (long)groups * gd.nsl / 2) / ((long)groups * gd.nsl);
-        const long by_units = gs * (rows / S::KR) / (8L * gemv_min_units());
+        long nb, by_units;
+        if (old_rule) {
+            nb = (target * gs + (long)groups * gd.nsl / 2) / ((long)groups * gd.nsl);
+            by_units = gs * (rows / S::KR) / (8L * gemv_min_units());
+        } else {
+            nb = target * gs / ((long)groups * gd.nsl);
+            by_units = gs * (rows / 2) / (8L * gemv_min_units());
+        }
         if (nb > by_units) nb = by_units;
         gd.seg_blocks[s] = (int)(nb > 0 ? nb : 1);
     }
@@ -301,11 +327,11 @@ SaGrid sa_grid(const MmArgs& a) {
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
 // 14336x4096, so the per-warp kernel stays); 2 always.
-// Debug variants 30 and 32-35 force it on, 31 and the other variants (probes and configurations
+// Debug variants 30 and 32-38 force it on, 31 and the other variants (probes and configurations
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || variant > 35 || variant == 31)) return false;
+    if (variant != 0 && (variant < 30 || variant > 38 || variant == 31)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
@@ -323,9 +349,12 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
     const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
-    return launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32), smem,
-                           stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
-                           a.counters, a.early_trigger, gemv_finish_rows(), gd);
+    // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
+    const bool split = a.y && gemv_split_finish();
+    const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
+                                          smem, stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
+                                          a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
+    return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.
@@ -338,6 +367,9 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 33) return launch_gemv_sa<K, CB, NG, 2>(a, stream);
             if (variant == 34) return launch_gemv_sa<K, CB, NG, 3>(a, stream);
             if (variant == 35) return launch_gemv_sa<K, CB, NG, kSaAffine>(a, stream);
+            if (variant == 36) return launch_gemv_sa<K, CB, NG, kSaNoTail>(a, stream);
+            if (variant == 37) return launch_gemv_sa<K, CB, NG, kSaTwoRows>(a, stream);
+            if (variant == 38) return launch_gemv_sa<K, CB, NG, kSaNoFinish>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

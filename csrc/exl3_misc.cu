@@ -6,6 +6,7 @@
 
 #include "exl3_decode.cuh"
 #include "exl3_gemv_geom.cuh"
+#include "exl3_gemv_sa.cuh"  // sa_grid, for gemv_sa_plan
 #include "exl3_mm.cuh"
 #include "exl3_prep.cuh"
 #include "kernels.h"
@@ -191,6 +192,8 @@ static bool& attn_merge_online_flag() {
 }
 void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
 bool attn_merge_online_setting() { return attn_merge_online_flag(); }
+void set_gemv_split_finish(bool enabled) { gemv_split_finish() = enabled; }
+void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 
@@ -230,6 +233,30 @@ int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, in
     cfg = p.cfg;
     smem_bytes = p.smem_bytes;
     return p.blocks_per_sm;
+}
+template <int K>
+static SaGrid sa_plan_k(int ng, const MmArgs& a) {
+    return ng == 1 ? sa_grid<K, 1>(a) : ng == 2 ? sa_grid<K, 2>(a) : sa_grid<K, 4>(a);
+}
+int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int& slice_rows) {
+    MmArgs a;
+    a.m = rows, a.in = in, a.out = out, a.K = K, a.num_sms = num_sms;
+    const int ng = rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
+    SaGrid g;
+    switch (K) {
+        case 1: g = sa_plan_k<1>(ng, a); break;
+        case 2: g = sa_plan_k<2>(ng, a); break;
+        case 3: g = sa_plan_k<3>(ng, a); break;
+        case 4: g = sa_plan_k<4>(ng, a); break;
+        case 5: g = sa_plan_k<5>(ng, a); break;
+        case 6: g = sa_plan_k<6>(ng, a); break;
+        case 7: g = sa_plan_k<7>(ng, a); break;
+        case 8: g = sa_plan_k<8>(ng, a); break;
+        default: return 0;
+    }
+    slices = g.nsl;
+    slice_rows = g.ks;
+    return g.nsl * g.seg_blocks[0];
 }
 static GvPick gv_pick_one_row(const MmArgs& a, bool sp) {
     return gemv_pick(a.K, GV_I8, 1, sp, !sp, a.in, a.out, a.num_sms, device_smem_limits());

@@ -160,6 +160,19 @@ inline int& gemv_shared_acts() {
     return v;
 }
 
+// Whether the block-shared kernel leaves its output transform to a kernel of its own (gv_finish_kernel,
+// launched as its programmatic dependent) instead of the warp that completes each 128-column block.
+inline bool& gemv_split_finish() {
+    static bool v = true;
+    return v;
+}
+
+// The block-shared kernel's grid rule (sa_grid): 1 the shipped one, 0 the one before session 28.
+inline int& gemv_sa_grid() {
+    static int v = 1;
+    return v;
+}
+
 // Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
 inline int& gemv_finish_rows() {
     static int v = 8;

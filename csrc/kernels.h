@@ -220,6 +220,13 @@ void set_self_prep(bool enabled);
 // Which fp16-path products take the kernel with block-shared activations (exl3_gemv_sa.cuh):
 // 0 none, 1 (default) where it measured faster (17..32 rows of large layers), 2 all.
 void set_gemv_shared_acts(int mode);
+// Whether the block-shared product's output transform runs as a kernel of its own after it (default
+// on) instead of in the warp that completes each 128-column block (exl3_gemv_sa.cuh).
+void set_gemv_split_finish(bool enabled);
+// How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
+// slices as shared memory allows and never more blocks than fit at once; 0 the rule before
+// session 28 (about 8 column groups per block), a benchmark baseline.
+void set_gemv_sa_grid(int rule);
 // Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
 // (default), or 1 (row by row, the earlier order; a benchmark baseline).
 void set_gemv_finish_rows(int rows);
@@ -243,6 +250,9 @@ bool debug_variant_in_build(int variant);
 // on one with the given limits (what cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor
 // and ReservedSharedMemoryPerBlock say); returns how many of its blocks fit on an SM there (at
 // most 2, what the grid is sized for; 0: it cannot launch).
+// The block-shared product's grid for a plain (one-segment) product on this GPU: its blocks, and
+// its k slices and the rows of the largest (exl3_gemv_sa.cuh, sa_grid).
+int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int& slice_rows);
 int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
                int per_sm, int reserved, int& cfg, int& smem_bytes);
 // Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:

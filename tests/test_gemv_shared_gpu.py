@@ -18,9 +18,10 @@ from engine.formats import exl3 as fmt  # noqa: E402
 from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
-# configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair)
+# configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
+# four k rows per unit)
 SHARED, PER_WARP = 30, 31
-BENCH_CONFIGS = (32, 33, 34, 35)
+BENCH_CONFIGS = (32, 33, 34, 35, 37)
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))
@@ -114,8 +115,10 @@ def test_deferred_finish_matches_row_by_row(variant):
     """Many-row products finish their 128-column blocks after the main loop, 8 workspace rows per
     round trip; a warp with more than four such blocks finishes the rest at once, row by row
     (one 8-warp block over 8192 columns of a 128-wide input: eight blocks per warp). Both orders
-    give the reference's product and leave the workspace zeroed."""
+    give the reference's product and leave the workspace zeroed. (The block-shared kernel leaves
+    its transform to a kernel of its own by default; here it does it in its warps.)"""
     ext = ops.extension()
+    ext.set_gemv_split_finish(False)
     for n_in, n_out, min_units in ((1024, 1536, 8), (128, 8192, 512)):
         t = rand_layer(n_in, n_out, 4, "3inst", seed=n_out, bias=True)
         for rows in (2, 17, 32):
@@ -131,10 +134,46 @@ def test_deferred_finish_matches_row_by_row(variant):
             finally:
                 ext.set_gemv_finish_rows(8)
                 ext.set_gemv_min_units(8)
+                ext.set_gemv_split_finish(True)
             for y in got:
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows)
             # the same sums, added by atomics in whatever order the warps reach them
             assert rel_rms(got[0], got[1]) < 1e-3
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("rows", [17, 24, 32])
+def test_split_finish_matches_the_finish_in_the_warps(rows):
+    """The block-shared product's output transform as a kernel of its own (the default) against
+    the one its finishing warps do, and the reference: with a bias, on a shape the default
+    dispatch gives this kernel; the finish kernel runs only when split, the workspace is left
+    zero either way, and in a captured graph replayed with new inputs it gives what the eager
+    call gives."""
+    ext = ops.extension()
+    t = rand_layer(4096, 14336, 4, "mul1", seed=rows, bias=True)
+    x = torch.randn(rows, 4096, device=DEV).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    got = {}
+    try:
+        for split in (True, False):
+            ext.set_gemv_split_finish(split)
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
+            assert any("gemv_sa" in n for n in names), names
+            assert any("gv_finish_kernel" in n for n in names) == split, names
+            got[split] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            assert workspaces_zero()
+    finally:
+        ext.set_gemv_split_finish(True)
+    assert rel_rms(got[True], want) < 2e-3, rel_rms(got[True], want)
+    assert rel_rms(got[True], got[False]) < 1e-3
+    xs = [torch.randn(rows, 4096, device=DEV).half() for _ in range(2)]
+    static_x = xs[0].clone()
+    graph, out = capture(lambda: ops.exl3_gemm(static_x, t, mode="fused", int8=False, version=3))
+    for xi in xs:
+        static_x.copy_(xi)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_rms(out, ops.exl3_gemm(xi, t, mode="fused", int8=False, version=3)) < 1e-3
     assert workspaces_zero()
 
 
@@ -155,3 +194,50 @@ def test_shared_kernel_mul1_row_sums_over_slices(rows):
         assert rel_rms(got[variant], want) < 2e-3, (variant, rel_rms(got[variant], want))
     assert rel_rms(got[SHARED], got[35]) < 1e-3
     assert workspaces_zero()
+
+
+@pytest.mark.parametrize("rule", [0, 1])
+def test_grid_rules_keep_the_product(rule):
+    """The grid rule (set_gemv_sa_grid: 1 fewest k slices, 0 the one before session 28) changes how
+    the k rows are cut into slices, so how many partial sums per output reach the workspace, not
+    the product: against the reference and the other rule, on a 4096-input shape where the two
+    cut differently, with MUL1's per-slice row sums in play."""
+    t = rand_layer(4096, 14336, 4, "mul1", seed=rule)
+    x = torch.randn(32, 4096, device=DEV).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    ext = ops.extension()
+    got = []
+    try:
+        for r in (rule, 1 - rule):
+            ext.set_gemv_sa_grid(r)
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+            assert any("gemv_sa" in n for n in names), names
+            got.append(ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+    finally:
+        ext.set_gemv_sa_grid(1)
+    assert rel_rms(got[0], want) < 2e-3, rel_rms(got[0], want)
+    assert rel_rms(got[0], got[1]) < 1e-3
+    assert workspaces_zero()
+
+
+def test_grid_never_asks_for_a_second_wave():
+    """The block-shared grid fits at once (two blocks per SM): one block more ran in a second wave,
+    30% slower at 4096x28672 (session 28). Over the K values and the layer shapes the default
+    dispatch gives this kernel; with the fewest k slices shared memory allows there (the old rule
+    cut 4096x14336 into 10)."""
+    ext = ops.extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(4096, 14336), (4096, 28672), (14336, 4096), (8192, 28672), (28672, 8192), (5120, 13824), (3584, 18944)]
+    for K in range(1, 9):
+        for n_in, n_out in shapes:
+            for rows in (17, 32):
+                blocks, slices, slice_rows = ext.gemv_sa_plan(K, rows, n_in, n_out, sms)
+                assert 0 < blocks <= 2 * sms, (K, n_in, n_out, blocks)
+                assert slices * slice_rows >= n_in // 16 and slice_rows <= 64, (K, n_in, slices, slice_rows)
+                assert blocks >= 1.8 * sms, (K, n_in, n_out, blocks)  # and not many idle
+    ext.set_gemv_sa_grid(0)
+    try:
+        assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 10 if sms == 132 else True
+    finally:
+        ext.set_gemv_sa_grid(1)
+    assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 4

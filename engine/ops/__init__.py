@@ -194,6 +194,12 @@ def extension():
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
         # of at least 4096 x 14336 weights, 2 all.
         _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
+        # The block-shared kernel's output transform as a kernel of its own (TRELLIS_GV_SPLIT_FINISH=0:
+        # in the warp that completes each 128-column block, as before session 28).
+        _ext.set_gemv_split_finish(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "1") != "0")
+        # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
+        # memory allows, never more blocks than fit at once; 0 the rule before session 28.
+        _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
         # Workspace rows a product's finishing warp reads per round trip (TRELLIS_FINISH_ROWS=1: row by
         # row, the earlier order, for a same-run baseline).
         _ext.set_gemv_finish_rows(int(os.environ.get("TRELLIS_FINISH_ROWS", "8") or 8))
