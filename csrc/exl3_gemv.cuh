@@ -801,9 +801,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         t += PATH == GV_I8 ? facc[gr][ct][0] + facc[gr][ct][1] : acc[gr][ct][0] + acc[gr][ct][3];
                 if (t == 1.25e-37f) z[lane] = t;
             } else {
-                if (y && VAR != 6) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                if (y && VAR != 6 && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
                 flush();
-                if (y && VAR != 6) finish_block(sv, bv);
+                if (y && VAR != 6 && finish_rows) finish_block(sv, bv);
             }
             if (!last) {
                 zero_acc();
@@ -845,11 +845,15 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
-    return launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
-                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
-                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
-                           a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
-                           gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
+    // finish_rows 0: the output transform runs in gv_finish_kernel after the product (9..32 rows of
+    // the fp16 path, gemv_split_finish 2).
+    const bool split = PATH == GV_F16 && NG >= 2 && !CH && VAR == 0 && a.y && gemv_split_finish() >= 2;
+    const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
+                                          dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
+                                          a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
+                                          a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
+                                          split ? 0 : gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
+    return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is

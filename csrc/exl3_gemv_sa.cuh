@@ -350,7 +350,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
     const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
-    const bool split = a.y && gemv_split_finish();
+    const bool split = a.y && gemv_split_finish() >= 1;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
                                           smem, stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);

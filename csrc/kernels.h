@@ -220,9 +220,10 @@ void set_self_prep(bool enabled);
 // Which fp16-path products take the kernel with block-shared activations (exl3_gemv_sa.cuh):
 // 0 none, 1 (default) where it measured faster (17..32 rows of large layers), 2 all.
 void set_gemv_shared_acts(int mode);
-// Whether the block-shared product's output transform runs as a kernel of its own after it (default
-// on) instead of in the warp that completes each 128-column block (exl3_gemv_sa.cuh).
-void set_gemv_split_finish(bool enabled);
+// Which many-row products' output transform runs as a kernel of its own after them instead of in the
+// warp that completes each 128-column block: 0 none, 1 the block-shared kernel's, 2 (default) also
+// the per-warp kernel's at 9..32 rows (exl3_mm.cuh, gemv_split_finish).
+void set_gemv_split_finish(int mode);
 // How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before
 // session 28 (about 8 column groups per block), a benchmark baseline.

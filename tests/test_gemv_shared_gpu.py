@@ -115,10 +115,9 @@ def test_deferred_finish_matches_row_by_row(variant):
     """Many-row products finish their 128-column blocks after the main loop, 8 workspace rows per
     round trip; a warp with more than four such blocks finishes the rest at once, row by row
     (one 8-warp block over 8192 columns of a 128-wide input: eight blocks per warp). Both orders
-    give the reference's product and leave the workspace zeroed. (The block-shared kernel leaves
-    its transform to a kernel of its own by default; here it does it in its warps.)"""
+    give the reference's product and leave the workspace zeroed. (Many-row products leave their
+    transform to a kernel of its own by default, gemv_split_finish; here their warps do it.)"""
     ext = ops.extension()
-    ext.set_gemv_split_finish(False)
     for n_in, n_out, min_units in ((1024, 1536, 8), (128, 8192, 512)):
         t = rand_layer(n_in, n_out, 4, "3inst", seed=n_out, bias=True)
         for rows in (2, 17, 32):
@@ -126,6 +125,7 @@ def test_deferred_finish_matches_row_by_row(variant):
             want = fmt.exl3_matmul_reference(x.float(), t)
             got = []
             try:
+                ext.set_gemv_split_finish(0)
                 ext.set_gemv_min_units(min_units)
                 for finish_rows in (8, 1):
                     ext.set_gemv_finish_rows(finish_rows)
@@ -134,7 +134,7 @@ def test_deferred_finish_matches_row_by_row(variant):
             finally:
                 ext.set_gemv_finish_rows(8)
                 ext.set_gemv_min_units(8)
-                ext.set_gemv_split_finish(True)
+                ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
             for y in got:
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows)
             # the same sums, added by atomics in whatever order the warps reach them
@@ -156,14 +156,14 @@ def test_split_finish_matches_the_finish_in_the_warps(rows):
     got = {}
     try:
         for split in (True, False):
-            ext.set_gemv_split_finish(split)
+            ext.set_gemv_split_finish(int(split))
             names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
             assert any("gemv_sa" in n for n in names), names
             assert any("gv_finish_kernel" in n for n in names) == split, names
             got[split] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
             assert workspaces_zero()
     finally:
-        ext.set_gemv_split_finish(True)
+        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
     assert rel_rms(got[True], want) < 2e-3, rel_rms(got[True], want)
     assert rel_rms(got[True], got[False]) < 1e-3
     xs = [torch.randn(rows, 4096, device=DEV).half() for _ in range(2)]
@@ -241,3 +241,32 @@ def test_grid_never_asks_for_a_second_wave():
     finally:
         ext.set_gemv_sa_grid(1)
     assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 4
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 32])
+def test_split_finish_of_the_per_warp_kernel(rows):
+    """Setting 2 (the default) also gives the per-warp kernel's 9..32-row products (a small layer, which the
+    block-shared kernel does not take) their output transform as a kernel of its own: the same
+    product as its finishing warps give, with a bias, the workspace left zero; at 1..8 rows
+    nothing changes (no finish kernel)."""
+    ext = ops.extension()
+    t = rand_layer(4096, 4096, 4, "mul1", seed=rows, bias=True)
+    x = torch.randn(rows, 4096, device=DEV).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    got = {}
+    try:
+        for mode in (2, 0):
+            ext.set_gemv_split_finish(mode)
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
+            assert not any("gemv_sa" in n for n in names), names
+            assert any("gv_finish_kernel" in n for n in names) == (mode == 2), names
+            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            assert workspaces_zero()
+        ext.set_gemv_split_finish(2)
+        x8 = x[:8].contiguous()
+        names = kernels_run(lambda: ops.exl3_gemm(x8, t, mode="fused", int8=False, version=3), "")
+        assert not any("gv_finish_kernel" in n for n in names), names
+    finally:
+        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
+    assert rel_rms(got[2], want) < 2e-3, rel_rms(got[2], want)
+    assert rel_rms(got[2], got[0]) < 1e-3

@@ -87,6 +87,13 @@ GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
 # (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
 # 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
 GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
+# Which many-row products run their output transform as a kernel of its own after them
+# (TRELLIS_GV_SPLIT_FINISH): 2 (default) the block-shared kernel's (17..32 rows of large layers)
+# and the per-warp kernel's at 9..32 rows; 1 the block-shared kernel's only; 0 none (the warp that
+# completes each 128-column block does it, as before session 28). On an H100, decode at batch 9-32
+# ran 10-11% faster with 2 than with 1, and 1 was 8-11% faster than 0 at 17-32 (session 28,
+# csrc/PERF_NOTES.md).
+GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "2") or 2)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
@@ -194,9 +201,7 @@ def extension():
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
         # of at least 4096 x 14336 weights, 2 all.
         _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
-        # The block-shared kernel's output transform as a kernel of its own (TRELLIS_GV_SPLIT_FINISH=0:
-        # in the warp that completes each 128-column block, as before session 28).
-        _ext.set_gemv_split_finish(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "1") != "0")
+        _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
         _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
