@@ -845,9 +845,9 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
-    // finish_rows 0: the output transform runs in gv_finish_kernel after the product (9..32 rows of
-    // the fp16 path, gemv_split_finish 2).
-    const bool split = PATH == GV_F16 && NG >= 2 && !CH && VAR == 0 && a.y && gemv_split_finish() >= 2;
+    // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
+    // 9..32 rows with gemv_split_finish 2, 1..8 too with 3).
+    const bool split = PATH == GV_F16 && !CH && VAR == 0 && a.y && gemv_split_finish() >= (NG >= 2 ? 2 : 3);
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
                                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,

@@ -163,7 +163,8 @@ inline int& gemv_shared_acts() {
 // Which many-row products leave their output transform to a kernel of its own (gv_finish_kernel,
 // launched as their programmatic dependent) instead of the warp that completes each 128-column
 // block: 0 none, 1 the block-shared kernel's (17..32 rows of large layers), 2 (default) also the
-// per-warp kernel's at 9..32 rows (fp16 path, two or four groups of rows). On an H100, 2 made
+// per-warp kernel's at 9..32 rows (fp16 path, two or four groups of rows), 3 also its 1..8-row
+// products on the fp16 path (5..8 rows by default; not yet run on a GPU). On an H100, 2 made
 // decode at batch 9-32 10-11% faster than 1 (csrc/PERF_NOTES.md, session 28).
 inline int& gemv_split_finish() {
     static int v = 2;

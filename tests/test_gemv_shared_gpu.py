@@ -270,3 +270,26 @@ def test_split_finish_of_the_per_warp_kernel(rows):
         ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
     assert rel_rms(got[2], want) < 2e-3, rel_rms(got[2], want)
     assert rel_rms(got[2], got[0]) < 1e-3
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_split_finish_of_one_row_group(rows):
+    """Setting 3 gives the per-warp kernel's fp16-path products of one group of rows (1..8; 5..8
+    take that path by default) the finish kernel too: the same product as the finishing warps
+    give and the reference's, with a bias, the workspace left zero."""
+    ext = ops.extension()
+    t = rand_layer(4096, 4096, 4, "mul1", seed=rows, bias=True)
+    x = torch.randn(rows, 4096, device=DEV).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    got = {}
+    try:
+        for mode in (3, 2):
+            ext.set_gemv_split_finish(mode)
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
+            assert any("gv_finish_kernel" in n for n in names) == (mode == 3), names
+            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            assert workspaces_zero()
+    finally:
+        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
+    assert rel_rms(got[3], want) < 2e-3, rel_rms(got[3], want)
+    assert rel_rms(got[3], got[2]) < 1e-3
