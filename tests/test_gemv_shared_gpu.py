@@ -142,30 +142,39 @@ def test_deferred_finish_matches_row_by_row(variant):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("rows", [17, 24, 32])
-def test_split_finish_matches_the_finish_in_the_warps(rows):
-    """The block-shared product's output transform as a kernel of its own (the default) against
-    the one its finishing warps do, and the reference: with a bias, on a shape the default
-    dispatch gives this kernel; the finish kernel runs only when split, the workspace is left
-    zero either way, and in a captured graph replayed with new inputs it gives what the eager
-    call gives."""
+def _finish_kernel_against_warps(rows: int, split_mode: int, warp_mode: int, n_out: int = 4096,
+                                 shared: bool = False):
+    """A product of 4096 inputs with a bias under split-finish setting split_mode, where the
+    finish kernel runs, and under warp_mode, where it does not: each against the reference, each
+    leaving the workspace zero, the two the same up to the order of their atomics, and the
+    block-shared kernel (shared) or the per-warp one serving both. Returns the layer."""
     ext = ops.extension()
-    t = rand_layer(4096, 14336, 4, "mul1", seed=rows, bias=True)
+    t = rand_layer(4096, n_out, 4, "mul1", seed=rows, bias=True)
     x = torch.randn(rows, 4096, device=DEV).half()
     want = fmt.exl3_matmul_reference(x.float(), t)
     got = {}
     try:
-        for split in (True, False):
-            ext.set_gemv_split_finish(int(split))
+        for mode in (split_mode, warp_mode):
+            ext.set_gemv_split_finish(mode)
             names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
-            assert any("gemv_sa" in n for n in names), names
-            assert any("gv_finish_kernel" in n for n in names) == split, names
-            got[split] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            assert any("gemv_sa" in n for n in names) == shared, names
+            assert any("gv_finish_kernel" in n for n in names) == (mode == split_mode), (mode, names)
+            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
             assert workspaces_zero()
     finally:
         ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
-    assert rel_rms(got[True], want) < 2e-3, rel_rms(got[True], want)
-    assert rel_rms(got[True], got[False]) < 1e-3
+    for mode in (split_mode, warp_mode):
+        assert rel_rms(got[mode], want) < 2e-3, (mode, rel_rms(got[mode], want))
+    assert rel_rms(got[split_mode], got[warp_mode]) < 1e-3
+    return t
+
+
+@pytest.mark.parametrize("rows", [17, 24, 32])
+def test_split_finish_matches_the_finish_in_the_warps(rows):
+    """The block-shared product's output transform as a kernel of its own (setting 1 and up)
+    against the one its finishing warps do (0), on a shape the default dispatch gives this
+    kernel; in a captured graph replayed with new inputs it gives what the eager call gives."""
+    t = _finish_kernel_against_warps(rows, 1, 0, n_out=14336, shared=True)
     xs = [torch.randn(rows, 4096, device=DEV).half() for _ in range(2)]
     static_x = xs[0].clone()
     graph, out = capture(lambda: ops.exl3_gemm(static_x, t, mode="fused", int8=False, version=3))
@@ -235,61 +244,25 @@ def test_grid_never_asks_for_a_second_wave():
                 assert 0 < blocks <= 2 * sms, (K, n_in, n_out, blocks)
                 assert slices * slice_rows >= n_in // 16 and slice_rows <= 64, (K, n_in, slices, slice_rows)
                 assert blocks >= 1.8 * sms, (K, n_in, n_out, blocks)  # and not many idle
-    ext.set_gemv_sa_grid(0)
-    try:
-        assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 10 if sms == 132 else True
-    finally:
-        ext.set_gemv_sa_grid(1)
     assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 4
+    if sms == 132:  # the H100 / H200 count the old rule's 10 slices were worked out for
+        ext.set_gemv_sa_grid(0)
+        try:
+            assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 10
+        finally:
+            ext.set_gemv_sa_grid(1)
 
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 32])
 def test_split_finish_of_the_per_warp_kernel(rows):
-    """Setting 2 (the default) also gives the per-warp kernel's 9..32-row products (a small layer, which the
-    block-shared kernel does not take) their output transform as a kernel of its own: the same
-    product as its finishing warps give, with a bias, the workspace left zero; at 1..8 rows
-    nothing changes (no finish kernel)."""
-    ext = ops.extension()
-    t = rand_layer(4096, 4096, 4, "mul1", seed=rows, bias=True)
-    x = torch.randn(rows, 4096, device=DEV).half()
-    want = fmt.exl3_matmul_reference(x.float(), t)
-    got = {}
-    try:
-        for mode in (2, 0):
-            ext.set_gemv_split_finish(mode)
-            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
-            assert not any("gemv_sa" in n for n in names), names
-            assert any("gv_finish_kernel" in n for n in names) == (mode == 2), names
-            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-            assert workspaces_zero()
-        ext.set_gemv_split_finish(2)
-        x8 = x[:8].contiguous()
-        names = kernels_run(lambda: ops.exl3_gemm(x8, t, mode="fused", int8=False, version=3), "")
-        assert not any("gv_finish_kernel" in n for n in names), names
-    finally:
-        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
-    assert rel_rms(got[2], want) < 2e-3, rel_rms(got[2], want)
-    assert rel_rms(got[2], got[0]) < 1e-3
+    """Setting 2 (the default) gives the per-warp kernel's 9..32-row products (here a small
+    layer, which the block-shared kernel does not take) the finish kernel too; 0 none."""
+    _finish_kernel_against_warps(rows, 2, 0)
 
 
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_split_finish_of_one_row_group(rows):
     """Setting 3 gives the per-warp kernel's fp16-path products of one group of rows (1..8; 5..8
-    take that path by default) the finish kernel too: the same product as the finishing warps
-    give and the reference's, with a bias, the workspace left zero."""
-    ext = ops.extension()
-    t = rand_layer(4096, 4096, 4, "mul1", seed=rows, bias=True)
-    x = torch.randn(rows, 4096, device=DEV).half()
-    want = fmt.exl3_matmul_reference(x.float(), t)
-    got = {}
-    try:
-        for mode in (3, 2):
-            ext.set_gemv_split_finish(mode)
-            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
-            assert any("gv_finish_kernel" in n for n in names) == (mode == 3), names
-            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-            assert workspaces_zero()
-    finally:
-        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
-    assert rel_rms(got[3], want) < 2e-3, rel_rms(got[3], want)
-    assert rel_rms(got[3], got[2]) < 1e-3
+    take that path by default) the finish kernel too; the default (2) leaves them to their
+    warps."""
+    _finish_kernel_against_warps(rows, 3, 2)
