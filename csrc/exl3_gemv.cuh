@@ -801,6 +801,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         t += PATH == GV_I8 ? facc[gr][ct][0] + facc[gr][ct][1] : acc[gr][ct][0] + acc[gr][ct][3];
                 if (t == 1.25e-37f) z[lane] = t;
             } else {
+                // finish_rows 0: gv_finish_kernel transforms the output after this kernel (no count).
                 if (y && VAR != 6 && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
                 flush();
                 if (y && VAR != 6 && finish_rows) finish_block(sv, bv);

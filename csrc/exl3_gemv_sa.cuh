@@ -227,6 +227,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                     for (int ct = 0; ct < CT; ++ct) t += acc[gr][ct][0] + acc[gr][ct][3];
                 if (t == 1.25e-37f) z[lane] = t;
             } else {
+                // finish_rows 0: gv_finish_kernel transforms the output after this kernel (no count).
                 if (y && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
                 if constexpr (RAW) {
                     // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).

@@ -252,11 +252,11 @@ bool debug_variant_in_build(int variant);
 // on one with the given limits (what cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor
 // and ReservedSharedMemoryPerBlock say); returns how many of its blocks fit on an SM there (at
 // most 2, what the grid is sized for; 0: it cannot launch).
+int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
+               int per_sm, int reserved, int& cfg, int& smem_bytes);
 // The block-shared product's grid for a plain (one-segment) product on this GPU: its blocks, and
 // its k slices and the rows of the largest (exl3_gemv_sa.cuh, sa_grid).
 int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int& slice_rows);
-int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
-               int per_sm, int reserved, int& cfg, int& smem_bytes);
 // Whether the product described by `a` (m, in, out, K, num_sms, int8 path) takes its own prep:
 // the setting is on, no debug variant is set, m = 1 on the integer path, and every warp's k rows
 // fit its chunk slots.

@@ -91,9 +91,9 @@ GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 # (TRELLIS_GV_SPLIT_FINISH): 2 (default) the block-shared kernel's (17..32 rows of large layers)
 # and the per-warp kernel's at 9..32 rows; 1 the block-shared kernel's only; 0 none (the warp that
 # completes each 128-column block does it, as before session 28); 3 also the per-warp kernel's
-# fp16-path products of 1..8 rows (5..8 rows by default; not yet timed). On an H100, decode at batch 9-32
-# ran 10-11% faster with 2 than with 1, and 1 was 8-11% faster than 0 at 17-32 (session 28,
-# csrc/PERF_NOTES.md).
+# fp16-path products of 1..8 rows (5..8 rows by default; not yet timed). On an H100, decode at
+# batch 9-32 ran 10-11% faster with 2 than with 1, and 1 was 8-11% faster than 0 at 17-32
+# (session 28, csrc/PERF_NOTES.md).
 GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "2") or 2)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
