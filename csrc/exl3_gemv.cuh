@@ -847,8 +847,9 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
-    // 9..32 rows with gemv_split_finish 2, 1..8 too with 3).
-    const bool split = PATH == GV_F16 && !CH && VAR == 0 && a.y && gemv_split_finish() >= (NG >= 2 ? 2 : 3);
+    // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4).
+    const int split_from = PATH == GV_I8 ? 4 : NG >= 2 ? 2 : 3;
+    const bool split = !CH && VAR == 0 && a.y && gemv_split_finish() >= split_from;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
                                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,

@@ -143,11 +143,12 @@ def test_deferred_finish_matches_row_by_row(variant):
 
 
 def _finish_kernel_against_warps(rows: int, split_mode: int, warp_mode: int, n_out: int = 4096,
-                                 shared: bool = False):
+                                 shared: bool = False, int8: bool = False):
     """A product of 4096 inputs with a bias under split-finish setting split_mode, where the
     finish kernel runs, and under warp_mode, where it does not: each against the reference, each
     leaving the workspace zero, the two the same up to the order of their atomics, and the
-    block-shared kernel (shared) or the per-warp one serving both. Returns the layer."""
+    block-shared kernel (shared) or the per-warp one serving both; int8: the integer path's
+    products (1..4 rows). Returns the layer."""
     ext = ops.extension()
     t = rand_layer(4096, n_out, 4, "mul1", seed=rows, bias=True)
     x = torch.randn(rows, 4096, device=DEV).half()
@@ -156,10 +157,10 @@ def _finish_kernel_against_warps(rows: int, split_mode: int, warp_mode: int, n_o
     try:
         for mode in (split_mode, warp_mode):
             ext.set_gemv_split_finish(mode)
-            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3), "")
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3), "")
             assert any("gemv_sa" in n for n in names) == shared, names
             assert any("gv_finish_kernel" in n for n in names) == (mode == split_mode), (mode, names)
-            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            got[mode] = ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)
             assert workspaces_zero()
     finally:
         ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
@@ -255,7 +256,7 @@ def test_grid_never_asks_for_a_second_wave():
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 32])
 def test_split_finish_of_the_per_warp_kernel(rows):
-    """Setting 2 (the default) gives the per-warp kernel's 9..32-row products (here a small
+    """Setting 2 (and up) gives the per-warp kernel's 9..32-row products (here a small
     layer, which the block-shared kernel does not take) the finish kernel too; 0 none."""
     _finish_kernel_against_warps(rows, 2, 0)
 
@@ -263,6 +264,13 @@ def test_split_finish_of_the_per_warp_kernel(rows):
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_split_finish_of_one_row_group(rows):
     """Setting 3 gives the per-warp kernel's fp16-path products of one group of rows (1..8; 5..8
-    take that path by default) the finish kernel too; the default (2) leaves them to their
-    warps."""
+    take that path by default) the finish kernel too; 2 leaves them to their warps."""
     _finish_kernel_against_warps(rows, 3, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_split_finish_of_the_integer_path(rows):
+    """Setting 4 (the default) gives the integer path's products (1..4 rows) the finish kernel
+    too; 3 leaves them to their warps."""
+    _finish_kernel_against_warps(rows, 4, 3, int8=True)
+

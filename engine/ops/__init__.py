@@ -87,14 +87,15 @@ GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
 # (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
 # 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
 GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
-# Which many-row products run their output transform as a kernel of its own after them
-# (TRELLIS_GV_SPLIT_FINISH): 2 (default) the block-shared kernel's (17..32 rows of large layers)
-# and the per-warp kernel's at 9..32 rows; 1 the block-shared kernel's only; 0 none (the warp that
-# completes each 128-column block does it, as before session 28); 3 also the per-warp kernel's
-# fp16-path products of 1..8 rows (5..8 rows by default; not yet timed). On an H100, decode at
-# batch 9-32 ran 10-11% faster with 2 than with 1, and 1 was 8-11% faster than 0 at 17-32
-# (session 28, csrc/PERF_NOTES.md).
-GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "2") or 2)
+# Which products run their output transform as a kernel of their own after them
+# (TRELLIS_GV_SPLIT_FINISH): 1 the block-shared kernel's (17..32 rows of large layers); 2 also the
+# per-warp kernel's at 9..32 rows; 3 also its fp16-path products of 1..8 rows (5..8 by default);
+# 4 (default) also the integer path's (1..4 rows), so every plain product; 0 none (the warp that
+# completes each 128-column block does it, as before session 28). On an H100, decode at batch 9-32
+# ran 10-11% faster with 2 than with 1, 1 was 8-11% faster than 0 at 17-32 (session 28), and 3 8%
+# faster than 2 at batch 5 and 8; on the H200, 4 was 3-5% faster than 3 at batch 1 and 10% at
+# batch 4 (session 29, csrc/PERF_NOTES.md).
+GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "4") or 4)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
