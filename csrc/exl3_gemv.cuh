@@ -256,8 +256,75 @@ __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, h
 }
 constexpr int kGvFinishTasks = 2;
 
-// Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y).
+// The output transform of a one-row product that reads or writes a decode chain (GvChain), as a
+// kernel of its own (gemv_split_finish 5), so that the product runs as a plain one: a warp per
+// 128-column block, or per pair of blocks (gate j and up j) where the next input is gated
+// (NEXT = ChainOut::mode 2), which then needs no pair count. The input's 1 / rms (in_part) and
+// the chain output as the product's finishing warps apply and write them (gv_finish_block,
+// chain_block): the same bits. Why: in the product, the chain output sat on its tail behind the
+// completion counts and made every product-to-product link slower than the prep kernel it saves
+// (sessions 7 and 12); this kernel's blocks do it in parallel, in place of that prep kernel.
+template <int NEXT>
+__global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict__ z, half* __restrict__ y,
+                                                               const half* __restrict__ svh,
+                                                               const half* __restrict__ bias, int out, int in,
+                                                               const __grid_constant__ GvChain ch) {
+    constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
+    const int lane = threadIdx.x & 31;
+    const int tasks = (out >> 7) / NB;
+    const int task = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (task >= tasks) return;
+    int ks[NB];
+    uint2 sv[NB], bv[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {  // the weights before the wait: they do not depend on the product
+        ks[b] = (task + b * tasks) * 128 + lane * 4;
+        sv[b] = __ldg(reinterpret_cast<const uint2*>(svh + ks[b]));
+        bv[b] = bias ? __ldg(reinterpret_cast<const uint2*>(bias + ks[b])) : make_uint2(0u, 0u);
+    }
+    uint2 s = make_uint2(0u, 0u);
+    if constexpr (NEXT == 2) s = __ldg(reinterpret_cast<const uint2*>(ch.next.suh + task * 128 + lane * 4));
+    pdl_wait_primary();
+    pdl_launch_dependents();
+    float scale = kHadNorm;
+    if (ch.in_part) {  // as gv_finish_block: the lanes' strided shares, then a butterfly
+        float t = 0.f;
+        for (int c = lane; c < (in >> 7); c += 32) t += ch.in_part[c];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        scale *= rsqrtf(t / in + ch.in_eps);
+    }
+    float4 f[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) f[b] = __ldcg(reinterpret_cast<const float4*>(z + ks[b]));
+    uint2 o[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        __stcg(reinterpret_cast<float4*>(z + ks[b]), make_float4(0.f, 0.f, 0.f, 0.f));
+        float v[4] = {f[b].x, f[b].y, f[b].z, f[b].w};
+        o[b] = finish_lane4(v, lane, scale, sv[b], bv[b], bias != nullptr);
+        *reinterpret_cast<uint2*>(y + ks[b]) = o[b];
+    }
+    if constexpr (NEXT == 1) chain_block(ch.next, y, as_h2(o[0].x), as_h2(o[0].y), task, lane);
+    if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane);
+}
+
+// Launch gv_finish_chain_kernel for a one-row product with chain arguments (MmArgs::in_part, next).
+inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) {
+    const GvChain ch{a.in_part, a.in_eps, a.next};
+    const int tasks = (a.out >> 7) / (a.next.mode == 2 ? 2 : 1);
+    const dim3 grid((unsigned)((tasks + 7) / 8)), block(256);
+    if (a.next.mode == 1)
+        return launch_pdl(gv_finish_chain_kernel<1>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
+    if (a.next.mode == 2)
+        return launch_pdl(gv_finish_chain_kernel<2>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
+    return launch_pdl(gv_finish_chain_kernel<0>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
+}
+
+// Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);
+// gv_finish_chain_kernel where the product reads or writes a decode chain.
 inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream) {
+    if (a.next.mode || a.in_part) return launch_gv_finish_chain(a, stream);
     const long warps = ((long)a.m * (a.out >> 7) + kGvFinishTasks - 1) / kGvFinishTasks;
     return launch_pdl(gv_finish_kernel<kGvFinishTasks>, dim3((unsigned)((warps + 7) / 8)), dim3(256), 0, stream,
                       a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out);
@@ -847,7 +914,8 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
-    // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4).
+    // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;
+    // with 5 also a decode chain's product, launched here without its chain code: CH false).
     const int split_from = PATH == GV_I8 ? 4 : NG >= 2 ? 2 : 3;
     const bool split = !CH && VAR == 0 && a.y && gemv_split_finish() >= split_from;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
@@ -887,7 +955,11 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path at m = 1 only
-        if constexpr (PATH == GV_I8 && NG == 1) return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
+        if constexpr (PATH == GV_I8 && NG == 1) {
+            // gemv_split_finish 5: a plain product, then gv_finish_chain_kernel (launch_gv_finish)
+            if (gemv_split_finish() >= 5) return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
+            return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
+        }
         return cudaErrorInvalidValue;
     }
     if constexpr (PATH == GV_I8 && NG == 1) {  // the host chose self prep (gemv_self_prep)

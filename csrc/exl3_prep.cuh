@@ -457,6 +457,16 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
     if (lane == 0) nx.part[blk] = ss;
 }
 
+// Decode chain mode 2 for chunk j of the next input, from the lane's 4 gate and 4 up outputs (g,
+// u) and the next product's input signs s there: the same bits as the down projection's own prep
+// (lane_input's gated branch, then lane_xh).
+__device__ __forceinline__ void chain_gated_chunk(const ChainOut& nx, uint2 g, uint2 u, uint2 s, int j, int lane) {
+    half2 x0, x1;
+    lane_xh(gated4(g, u, nx.act), s, lane, x0, x1);
+    const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
+    store_i8_chunk(nx.xb, nx.scales, nx.csum, 0, j, nx.n >> 7, 1, lane, f);
+}
+
 // Decode chain (ChainOut, m = 1), run by the warp that finished output block `blk` of a product
 // after it wrote y there: o0, o1 are this lane's 4 outputs (columns blk * 128 + lane * 4 ..).
 // Writes the block's part of the next product's int8 input (see ChainOut in kernels.h).
@@ -485,12 +495,7 @@ __device__ __forceinline__ void chain_block(const ChainOut& nx, const half* y, h
     const int other = blk < nch ? blk + nch : blk - nch;
     const uint2 ov = __ldcg(reinterpret_cast<const uint2*>(y + other * 128 + lane * 4));
     const uint2 own = make_uint2(as_u32(o0), as_u32(o1));
-    const uint2 g = blk < nch ? own : ov, u = blk < nch ? ov : own;
-    // The same bits as the down projection's own prep (lane_input's gated branch, then lane_xh).
-    half2 x0, x1;
-    lane_xh(gated4(g, u, nx.act), s, lane, x0, x1);
-    const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
-    store_i8_chunk(nx.xb, nx.scales, nx.csum, 0, j, nch, 1, lane, f);
+    chain_gated_chunk(nx, blk < nch ? own : ov, blk < nch ? ov : own, s, j, lane);
     if (lane == 0) nx.pairs[j] = 0;
 }
 

@@ -220,10 +220,11 @@ void set_self_prep(bool enabled);
 // Which fp16-path products take the kernel with block-shared activations (exl3_gemv_sa.cuh):
 // 0 none, 1 (default) where it measured faster (17..32 rows of large layers), 2 all.
 void set_gemv_shared_acts(int mode);
-// Which many-row products' output transform runs as a kernel of its own after them instead of in the
-// warp that completes each 128-column block: 0 none, 1 the block-shared kernel's, 2 (default) also
-// the per-warp kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows (exl3_mm.cuh,
-// gemv_split_finish).
+// Which products' output transform runs as a kernel of its own after them instead of in the warp
+// that completes each 128-column block: 0 none, 1 the block-shared kernel's, 2 also the per-warp
+// kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 (default) also the integer
+// path's, 5 also a decode chain's product, whose chain output the finish kernel then writes
+// (exl3_mm.cuh, gemv_split_finish).
 void set_gemv_split_finish(int mode);
 // How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before

@@ -32,6 +32,27 @@ def chains(monkeypatch):
     monkeypatch.setattr(ops, "CHAIN", chain.LINKS)
 
 
+# Split-finish settings (ops.GV_SPLIT_FINISH): at 4 a chain product's finishing warps write the
+# chain output; at 5 the product runs plain and gv_finish_chain_kernel writes it.
+IN_WARP, FINISH_KERNEL = 4, 5
+
+
+@pytest.fixture(params=[IN_WARP, FINISH_KERNEL], ids=["in-warp", "finish-kernel"])
+def split(request):
+    """Each chain test under both ways of writing the chain output."""
+    ext = ops.extension()
+    ext.set_gemv_split_finish(request.param)
+    yield request.param
+    ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
+
+
+def _chain_kernels(names) -> tuple[int, int]:
+    """(product kernels built with chain code, chain finish kernels) among kernel names."""
+    built_with_chain = sum("exl3_gemv_kernel<" in n and n.split("<", 1)[1].split(">", 1)[0].endswith("true")
+                           for n in names)
+    return built_with_chain, sum("gv_finish_chain_kernel" in n for n in names)
+
+
 def _zero_state():
     assert workspaces_zero()
     for c in list(ops._counters.values()) + list(chain._pair_counters.values()):
@@ -40,7 +61,7 @@ def _zero_state():
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("hidden,inter,K", [(1024, 2816, 4), (4096, 14336, 4), (512, 1280, 2), (640, 384, 6)])
-def test_gated_chain_is_the_down_projections_own_prep(chains, act, hidden, inter, K):
+def test_gated_chain_is_the_down_projections_own_prep(chains, split, act, hidden, inter, K):
     seed = hidden + inter + K
     gate, up = rand_layer(hidden, inter, K, seed), rand_layer(hidden, inter, K, seed + 1, bias=True)
     down = rand_layer(inter, hidden, K, seed + 2, bias=True)
@@ -71,7 +92,7 @@ def test_gated_chain_declines_what_it_cannot_serve(chains):
 @pytest.mark.parametrize("n,outs,K,bias", [(1024, (1024, 256, 256), 4, False), (4096, (4096, 1024, 1024), 4, True),
                                            (4096, (14336, 14336), 4, False), (512, (384, 128), 6, True),
                                            (256, (768, 768), 2, False)])
-def test_normed_chain_into_a_group(chains, n, outs, K, bias, with_residual):
+def test_normed_chain_into_a_group(chains, split, n, outs, K, bias, with_residual):
     seed = n + sum(outs) + K
     o = rand_layer(n, n, K, seed, bias=True)
     g = ops.join_linears([rand_layer(n, c, K, seed + 1 + i, bias=bias) for i, c in enumerate(outs)])
@@ -99,8 +120,10 @@ def test_normed_chain_into_a_group(chains, n, outs, K, bias, with_residual):
     _zero_state()
 
 
-def test_normed_chain_then_gated_chain_then_normed_chain(chains):
-    """A Llama layer's three links in a row, as the model runs them: o -> gate/up -> down -> q/k/v."""
+def test_normed_chain_then_gated_chain_then_normed_chain(chains, split):
+    """A Llama layer's three links in a row, as the model runs them: o -> gate/up -> down -> q/k/v.
+    Under split-finish setting 5 no product runs the chain code: four chain finish kernels (o,
+    gate/up, down, q/k/v, the last for its input's 1 / rms) write the links instead."""
     n, inter = 1024, 2816
     o = rand_layer(n, n, 4, 11)
     gu = ops.join_linears([rand_layer(n, inter, 4, 12), rand_layer(n, inter, 4, 13)])
@@ -122,6 +145,9 @@ def test_normed_chain_then_gated_chain_then_normed_chain(chains):
     got, got_sum = layer(True)
     want, want_sum = layer(False)
     ops.CHAIN = chain.LINKS
+    with_chain, finish_kernels = _chain_kernels(kernel_names(lambda: layer(True)))
+    ops.CHAIN = chain.LINKS
+    assert (with_chain, finish_kernels) == ((0, 4) if split == FINISH_KERNEL else (4, 0))
     assert rel_rms(got_sum, want_sum) < 3e-3
     for gi, wi in zip(got, want):
         assert rel_rms(gi, wi) < 3e-3
@@ -181,15 +207,21 @@ def _synth_model(tmp_path):
     return write_synth_model(tmp_path / "synth", Shape(512, 1024, 2, 4, 2, 512, 128), 4.0, 6, "mul1", seed=5)
 
 
-@pytest.mark.parametrize("which,links", [("fixture", "1"), ("synth", "1"), ("synth", "attn"), ("synth", "gated"),
-                                         ("synth", "normed")])
-def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkeypatch, which, links):
+@pytest.mark.parametrize("which,links,split_mode", [("fixture", "1", IN_WARP), ("synth", "1", IN_WARP),
+                                                    ("synth", "attn", IN_WARP), ("synth", "gated", IN_WARP),
+                                                    ("synth", "normed", IN_WARP), ("fixture", "1", FINISH_KERNEL),
+                                                    ("synth", "1", FINISH_KERNEL)])
+def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkeypatch, request, which, links,
+                                                  split_mode):
     """Decode steps with chains (every link, or one: TRELLIS_CHAIN) against the prep-kernel path:
     the reference's Llama fixture (dims multiples of 128, head dim 64, so every link but
     attention -> o_proj chains) and a synthetic model of head dim 128 (every link)."""
     from engine.models import load_model
     from tests.test_static_cache import decode_logits
 
+    ext = ops.extension()
+    ext.set_gemv_split_finish(split_mode)
+    request.addfinalizer(lambda: ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH))
     path = ref_fixtures / "exl3" / "llama-4.0bpw-mul1-h6" if which == "fixture" else _synth_model(tmp_path)
     model = load_model(path, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()

@@ -20,7 +20,10 @@ off by TRELLIS_CHAIN (ops.CHAIN; LINKS below):
 
 The product-to-product links were slower than the prep kernels they replace (the output stage is
 on the critical path, where a prep kernel overlaps the product before it under PDL), alone and
-together; the attention link pays (csrc/PERF_NOTES.md, sessions 7 and 12).
+together; the attention link pays (csrc/PERF_NOTES.md, sessions 7 and 12). Since session 29 every
+plain product's output stage is a kernel of its own (ops.GV_SPLIT_FINISH); at setting 5 a chain's
+products run plain too and that kernel writes the link, in place of the prep kernel (not yet
+timed against it).
 
 A product whose reader is not launched yet is a Deferred: the reader launches it with the chain
 output it needs, and anything else calls value() and gets the plain product.
