@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
                                                                const __grid_constant__ GvChain ch) {
     constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
     const int lane = threadIdx.x & 31;
-    const int tasks = (out >> 7) / NB;
+    const int tasks = NEXT == 2 ? ch.next.n >> 7 : out >> 7;  // gated: blocks j and j + n / 128 (chain_block)
     const int task = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (task >= tasks) return;
     int ks[NB];
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
 // Launch gv_finish_chain_kernel for a one-row product with chain arguments (MmArgs::in_part, next).
 inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) {
     const GvChain ch{a.in_part, a.in_eps, a.next};
-    const int tasks = (a.out >> 7) / (a.next.mode == 2 ? 2 : 1);
+    const int tasks = a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7;
     const dim3 grid((unsigned)((tasks + 7) / 8)), block(256);
     if (a.next.mode == 1)
         return launch_pdl(gv_finish_chain_kernel<1>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
