@@ -28,6 +28,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               default; lean0: never)
   cuda-graph-leangroupsN  cuda-graph with that rule for products of up to N groups of rows
               (TRELLIS_GV_LEAN_GROUPS picks the default, 1)
+  cuda-graph-splitN  cuda-graph with split-finish setting N (which products' output stage is a
+              kernel of its own; TRELLIS_GV_SPLIT_FINISH picks the default, 4; split5+chain:
+              decode chains written by that kernel)
   cuda-graph-torchargmax  cuda-graph with each token picked by torch.argmax (two launches) instead
               of ops.argmax (one kernel), as before session 13
   cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
                          "-chaingated / -chainnormed (one decode-chain link), cuda-graph-chain / "
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
-                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-lean<N> (the compact ring "
+                         "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-split<N> (split-finish "
+                         "setting N), cuda-graph-lean<N> (the compact ring "
                          "below N units per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
                          "cuda-graph-pipelined (each step queued before the host reads the token before it), "
@@ -370,6 +374,7 @@ def main(argv=None) -> int:
             ops.extension().set_gemv_four_row_units(pick_number("fourrows", ops.FOUR_ROW_UNITS))
             ops.extension().set_gemv_lean_units(pick_number("lean", ops.GV_LEAN_UNITS))
             ops.extension().set_gemv_lean_groups(pick_number("leangroups", ops.GV_LEAN_GROUPS))
+            ops.extension().set_gemv_split_finish(pick_number("split", ops.GV_SPLIT_FINISH))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)
