@@ -214,14 +214,16 @@ __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, hal
     }
 }
 
-// The output transform of a many-row product as a kernel of its own (gemv_split_finish): a warp per
+// The output transform of a product as a kernel of its own (gemv_split_finish): a warp per
 // task of one row of one 128-column block (kTasks per warp, loaded together), launched as the
 // product's programmatic dependent, so it starts as the product's blocks leave and reads the
 // workspace once the whole product is done. Why: done by the warp that completes each block, after
 // its main loop, the transform of 17..32 rows sat on the product's tail as one warp's chain of L2
 // round trips per block, and with the completion counts it took ~15 us of a 32-row product on
 // every large shape (timing probes, csrc/PERF_NOTES.md session 28); here thousands of warps share
-// it. The same rounding as gv_finish_row; the workspace is zeroed behind the read.
+// it. Since session 29 every plain product takes it, down to one row: without the fence and count
+// on their tails, one-row products took 0.4-1.3 us less, four-row ones 1.2-3.2 us. The same
+// rounding as gv_finish_row; the workspace is zeroed behind the read.
 template <int kTasks>
 __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, half* __restrict__ y, int ldy,
                                                          const half* __restrict__ svh, const half* __restrict__ bias,

@@ -93,10 +93,9 @@ GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 # 4 (default) also the integer path's (1..4 rows), so every plain product; 5 also a decode
 # chain's product (TRELLIS_CHAIN), whose chain output the finish kernel then writes (not yet run
 # on a GPU); 0 none (the warp that completes each 128-column block does it, as before session
-# 28). On an H100, decode at batch 9-32
-# ran 10-11% faster with 2 than with 1, 1 was 8-11% faster than 0 at 17-32 (session 28), and 3 8%
-# faster than 2 at batch 5 and 8; on the H200, 4 was 3-5% faster than 3 at batch 1 and 10% at
-# batch 4 (session 29, csrc/PERF_NOTES.md).
+# 28). On an H100, decode at batch 9-32 ran 10-11% faster with 2 than with 1, 1 was 8-11% faster
+# than 0 at 17-32 (session 28), and 3 8% faster than 2 at batch 5 and 8; on the H200, 4 was 3-5%
+# faster than 3 at batch 1 and 10% at batch 4 (session 29, csrc/PERF_NOTES.md).
 GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "4") or 4)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
