@@ -162,6 +162,17 @@ __device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __res
     *reinterpret_cast<uint2*>(yr) = finish_lane4(v, lane, scale, sv, bv, has_bias);
 }
 
+// The 1 / rms a product whose input came from a normed chain (MmArgs::in_part) applies to its output
+// row: the sums of squares of the input's in / 128 blocks (part), as lanes' strided shares then a
+// butterfly, so every finisher of the row gets the same bits.
+__device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ part, int in, float eps, int lane) {
+    float t = 0.f;
+    for (int c = lane; c < (in >> 7); c += 32) t += part[c];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return rsqrtf(t / in + eps);
+}
+
 // The output transform of one finished 128-column block (see finish_block in the kernel), a row
 // at a time. Not inlined: it runs about once per warp, and inlined its registers would crowd the
 // main loop. ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms
@@ -175,13 +186,7 @@ static __device__ __noinline__ void gv_finish_block(float* __restrict__ z, half*
     const int k = blk * 128 + lane * 4;
     for (int r = 0; r < m; ++r) {
         float scale = kHadNorm;
-        if (in_part) {
-            float t = 0.f;
-            for (int c = lane; c < (in >> 7); c += 32) t += in_part[(size_t)r * (in >> 7) + c];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-            scale *= rsqrtf(t / in + ch->in_eps);
-        }
+        if (in_part) scale *= chain_input_inv_rms(in_part + (size_t)r * (in >> 7), in, ch->in_eps, lane);
         float4* zp = reinterpret_cast<float4*>(z + (size_t)r * out + k);
         const float4 f = __ldcg(zp);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
@@ -289,13 +294,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     pdl_wait_primary();
     pdl_launch_dependents();
     float scale = kHadNorm;
-    if (ch.in_part) {  // as gv_finish_block: the lanes' strided shares, then a butterfly
-        float t = 0.f;
-        for (int c = lane; c < (in >> 7); c += 32) t += ch.in_part[c];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        scale *= rsqrtf(t / in + ch.in_eps);
-    }
+    if (ch.in_part) scale *= chain_input_inv_rms(ch.in_part, in, ch.in_eps, lane);
     float4 f[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) f[b] = __ldcg(reinterpret_cast<const float4*>(z + ks[b]));
@@ -315,12 +314,11 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
 inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) {
     const GvChain ch{a.in_part, a.in_eps, a.next};
     const int tasks = a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7;
-    const dim3 grid((unsigned)((tasks + 7) / 8)), block(256);
-    if (a.next.mode == 1)
-        return launch_pdl(gv_finish_chain_kernel<1>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
-    if (a.next.mode == 2)
-        return launch_pdl(gv_finish_chain_kernel<2>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
-    return launch_pdl(gv_finish_chain_kernel<0>, grid, block, 0, stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch);
+    const auto kernel = a.next.mode == 1   ? gv_finish_chain_kernel<1>
+                        : a.next.mode == 2 ? gv_finish_chain_kernel<2>
+                                           : gv_finish_chain_kernel<0>;
+    return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
+                      a.out, a.in, ch);
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);
