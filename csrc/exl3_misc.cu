@@ -2,6 +2,7 @@
 // scales, dense reconstruct, RMSNorm (optionally fused with the residual add) and gated MLP glue.
 #include <math.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "exl3_decode.cuh"
@@ -197,6 +198,22 @@ void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 
+// f(std::integral_constant<int, K>{}) for a K of 1..8 known only at run time; `none` for any other.
+template <typename R, typename F>
+static R with_k(int K, R none, F&& f) {
+    switch (K) {
+        case 1: return f(std::integral_constant<int, 1>{});
+        case 2: return f(std::integral_constant<int, 2>{});
+        case 3: return f(std::integral_constant<int, 3>{});
+        case 4: return f(std::integral_constant<int, 4>{});
+        case 5: return f(std::integral_constant<int, 5>{});
+        case 6: return f(std::integral_constant<int, 6>{});
+        case 7: return f(std::integral_constant<int, 7>{});
+        case 8: return f(std::integral_constant<int, 8>{});
+        default: return none;
+    }
+}
+
 // gv_pick for a K, path and group count known only at run time (the host's checks below, and the
 // binding that shows the tests what a product would take on another GPU).
 template <int K>
@@ -213,17 +230,9 @@ static GvPick gemv_pick_k(int path, int ng, bool sp, bool ch, int in, int out, i
 }
 static GvPick gemv_pick(int K, int path, int ng, bool sp, bool ch, int in, int out, int num_sms,
                         const SmemLimits& lim) {
-    switch (K) {
-        case 1: return gemv_pick_k<1>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 2: return gemv_pick_k<2>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 3: return gemv_pick_k<3>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 4: return gemv_pick_k<4>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 5: return gemv_pick_k<5>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 6: return gemv_pick_k<6>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 7: return gemv_pick_k<7>(path, ng, sp, ch, in, out, num_sms, lim);
-        case 8: return gemv_pick_k<8>(path, ng, sp, ch, in, out, num_sms, lim);
-        default: return {0, 0, 0};
-    }
+    return with_k(K, GvPick{0, 0, 0}, [&](auto k) {
+        return gemv_pick_k<decltype(k)::value>(path, ng, sp, ch, in, out, num_sms, lim);
+    });
 }
 int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
                int per_sm, int reserved, int& cfg, int& smem_bytes) {
@@ -234,26 +243,15 @@ int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, in
     smem_bytes = p.smem_bytes;
     return p.blocks_per_sm;
 }
-template <int K>
-static SaGrid sa_plan_k(int ng, const MmArgs& a) {
-    return ng == 1 ? sa_grid<K, 1>(a) : ng == 2 ? sa_grid<K, 2>(a) : sa_grid<K, 4>(a);
-}
 int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int& slice_rows) {
+    if (K < 1 || K > 8) return 0;
     MmArgs a;
     a.m = rows, a.in = in, a.out = out, a.K = K, a.num_sms = num_sms;
     const int ng = rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
-    SaGrid g;
-    switch (K) {
-        case 1: g = sa_plan_k<1>(ng, a); break;
-        case 2: g = sa_plan_k<2>(ng, a); break;
-        case 3: g = sa_plan_k<3>(ng, a); break;
-        case 4: g = sa_plan_k<4>(ng, a); break;
-        case 5: g = sa_plan_k<5>(ng, a); break;
-        case 6: g = sa_plan_k<6>(ng, a); break;
-        case 7: g = sa_plan_k<7>(ng, a); break;
-        case 8: g = sa_plan_k<8>(ng, a); break;
-        default: return 0;
-    }
+    const SaGrid g = with_k(K, SaGrid{}, [&](auto k) {
+        constexpr int kK = decltype(k)::value;
+        return ng == 1 ? sa_grid<kK, 1>(a) : ng == 2 ? sa_grid<kK, 2>(a) : sa_grid<kK, 4>(a);
+    });
     slices = g.nsl;
     slice_rows = g.ks;
     return g.nsl * g.seg_blocks[0];
@@ -803,17 +801,9 @@ static cudaError_t reconstruct_k(const uint32_t* trellis, half* out, int in, int
 cudaError_t exl3_reconstruct(const uint32_t* trellis, half* out, int in, int n_out, int K,
                              int codebook, cudaStream_t stream) {
     if (in % 16 || n_out % 128) return cudaErrorInvalidValue;
-    switch (K) {
-        case 1: return reconstruct_k<1>(trellis, out, in, n_out, codebook, stream);
-        case 2: return reconstruct_k<2>(trellis, out, in, n_out, codebook, stream);
-        case 3: return reconstruct_k<3>(trellis, out, in, n_out, codebook, stream);
-        case 4: return reconstruct_k<4>(trellis, out, in, n_out, codebook, stream);
-        case 5: return reconstruct_k<5>(trellis, out, in, n_out, codebook, stream);
-        case 6: return reconstruct_k<6>(trellis, out, in, n_out, codebook, stream);
-        case 7: return reconstruct_k<7>(trellis, out, in, n_out, codebook, stream);
-        case 8: return reconstruct_k<8>(trellis, out, in, n_out, codebook, stream);
-        default: return cudaErrorInvalidValue;
-    }
+    return with_k(K, cudaErrorInvalidValue, [&](auto k) {
+        return reconstruct_k<decltype(k)::value>(trellis, out, in, n_out, codebook, stream);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
