@@ -164,14 +164,14 @@ inline int& gemv_shared_acts() {
 // as their programmatic dependent) instead of the warp that completes each 128-column block: 0
 // none, 1 the block-shared kernel's (17..32 rows of large layers), 2 also the per-warp kernel's
 // at 9..32 rows (fp16 path, two or four groups of rows), 3 also its 1..8-row products on the fp16
-// path (5..8 rows by default), 4 (default: every plain product) also the integer path's (1..4
-// rows), 5 also a decode chain's one-row product (ChainOut, MmArgs::in_part): it runs as a plain
-// product and gv_finish_chain_kernel writes its chain output (not yet run on a GPU). On an H100,
-// 2 made decode at batch 9-32 10-11% faster than 1 (csrc/PERF_NOTES.md, session 28) and 3 batch 5
-// and 8 8% faster than 2; on the H200, 4 made batch 1 3-5% and batch 4 10% faster than 3
-// (session 29).
+// path (5..8 rows by default), 4 also the integer path's (1..4 rows), so every plain product, 5
+// (default) also a decode chain's one-row product (ChainOut, MmArgs::in_part): it runs as a plain
+// product and gv_finish_chain_kernel writes its chain output. On an H100, 2 made decode at batch
+// 9-32 10-11% faster than 1 (csrc/PERF_NOTES.md, session 28) and 3 batch 5 and 8 8% faster than
+// 2; on the H200, 4 made batch 1 3-5% and batch 4 10% faster than 3 (session 29), and 5 with every
+// chain link batch 1 1-4% faster than 4 with the attention link alone (session 30).
 inline int& gemv_split_finish() {
-    static int v = 4;
+    static int v = 5;
     return v;
 }
 

@@ -116,11 +116,17 @@ def test_compact_self_prepped_product(n_in, n_out, K, compact):
     assert workspaces_zero()
 
 
+@pytest.mark.parametrize("split", [4, 5])
 @pytest.mark.parametrize("hidden,inter,K", [(1024, 2816, 4), (4096, 14336, 8), (640, 384, 6)])
-def test_compact_gated_chain(hidden, inter, K, compact, monkeypatch):
+def test_compact_gated_chain(hidden, inter, K, split, compact, monkeypatch, request):
     """The gate/up product writing the down projection's input (a chain output) on the compact
-    ring gives what the separate kernels give."""
+    ring gives what the separate kernels give: with split finish 4 the product kernel built with
+    chain code writes it, with 5 (the default) a plain product on the compact ring and then
+    gv_finish_chain_kernel."""
     monkeypatch.setattr(ops, "CHAIN", chain_links.LINKS)
+    ext = ops.extension()
+    ext.set_gemv_split_finish(split)
+    request.addfinalizer(lambda: ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH))
     seed = hidden + inter + K
     gate, up = rand_layer(hidden, inter, K, "mul1", seed), rand_layer(hidden, inter, K, "mul1", seed + 1, bias=True)
     down = rand_layer(inter, hidden, K, "mul1", seed + 2, bias=True)
@@ -131,9 +137,11 @@ def test_compact_gated_chain(hidden, inter, K, compact, monkeypatch):
     want = ops.exl3_gemm(gy, down, up=uy, act="silu")
     got = ops.gated_chain(x, g, down, "silu", hidden)
     ran = _gemv_cfgs(lambda: ops.gated_chain(x, g, down, "silu", hidden))
+    finish = kernels_run(lambda: ops.gated_chain(x, g, down, "silu", hidden), "gv_finish_chain_kernel<2>")
     assert got is not None
     assert rel_rms(got.reshape(1, -1), want.reshape(1, -1)) < 5e-4
-    assert f"{COMPACT_CFG}, false, true" in ran, ran
+    assert f"{COMPACT_CFG}, false, {'true' if split == 4 else 'false'}" in ran, ran
+    assert bool(finish) == (split == 5), finish
     _zero_state()
 
 

@@ -53,18 +53,32 @@ _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
 if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT != 7:
     _DEFAULT_VARIANT = 0
 
-# Decode chains (engine/ops/chain.py): a kernel's output stage writes the next product's input,
-# so no prep kernel runs between them. Which links: TRELLIS_CHAIN = attn (the default: the decode
-# attention kernel writes o_proj's input; up to ~1% faster decode), 0 (none), 1 (all), or a comma
-# list of attn, gated, normed. The product-to-product links (gated, normed) made decode slower,
-# each alone and together (csrc/PERF_NOTES.md, sessions 7 and 12).
-CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "attn"))
+# Which products run their output transform as a kernel of their own after them
+# (TRELLIS_GV_SPLIT_FINISH): 1 the block-shared kernel's (17..32 rows of large layers); 2 also the
+# per-warp kernel's at 9..32 rows; 3 also its fp16-path products of 1..8 rows (5..8 by default);
+# 4 also the integer path's (1..4 rows), so every plain product; 5 (default) also a decode
+# chain's product (TRELLIS_CHAIN), whose chain output the finish kernel then writes; 0 none (the
+# warp that completes each 128-column block does it, as before session 28). On an H100, decode at
+# batch 9-32 ran 10-11% faster with 2 than with 1, 1 was 8-11% faster than 0 at 17-32 (session
+# 28), and 3 8% faster than 2 at batch 5 and 8; on the H200, 4 was 3-5% faster than 3 at batch 1
+# and 10% at batch 4 (session 29, csrc/PERF_NOTES.md).
+GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "5") or 5)
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
 # take them: TRELLIS_OPEN_SUMS = 0 (none, the default), gated (the down projection's prep reads
 # gate/up), normed (the next norm's prep reads o_proj and down), 1 (both).
 OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
+
+# Decode chains (engine/ops/chain.py): a kernel's output stage writes the next product's input,
+# so no prep kernel runs between them. Which links: TRELLIS_CHAIN = 0 (none), 1 (all), or a comma
+# list of attn, gated, normed. The default follows the settings above: at split finish 5 (and no
+# open sums, which product links turn off) all links, which with the finish kernel writing them
+# decoded Llama-3.1-8B 4% faster than the attention link alone, Qwen3-8B 3% and Gemma-2-9B 1%
+# (H200, session 30); below 5 the attention link alone (the decode attention kernel writes
+# o_proj's input), because the products' own tails writing the product-to-product links (gated,
+# normed) made decode slower, each alone and together (sessions 7, 12 and 30; csrc/PERF_NOTES.md).
+CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "1" if GV_SPLIT_FINISH >= 5 and not OPEN_SUMS else "attn"))
 
 # From how many k-row quads per resident warp a one-group product takes four k rows per unit
 # (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
@@ -87,16 +101,6 @@ GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
 # (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
 # 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
 GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
-# Which products run their output transform as a kernel of their own after them
-# (TRELLIS_GV_SPLIT_FINISH): 1 the block-shared kernel's (17..32 rows of large layers); 2 also the
-# per-warp kernel's at 9..32 rows; 3 also its fp16-path products of 1..8 rows (5..8 by default);
-# 4 (default) also the integer path's (1..4 rows), so every plain product; 5 also a decode
-# chain's product (TRELLIS_CHAIN), whose chain output the finish kernel then writes (not yet run
-# on a GPU); 0 none (the warp that completes each 128-column block does it, as before session
-# 28). On an H100, decode at batch 9-32 ran 10-11% faster with 2 than with 1, 1 was 8-11% faster
-# than 0 at 17-32 (session 28), and 3 8% faster than 2 at batch 5 and 8; on the H200, 4 was 3-5%
-# faster than 3 at batch 1 and 10% at batch 4 (session 29, csrc/PERF_NOTES.md).
-GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "4") or 4)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
