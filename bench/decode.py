@@ -29,8 +29,11 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-leangroupsN  cuda-graph with that rule for products of up to N groups of rows
               (TRELLIS_GV_LEAN_GROUPS picks the default, 1)
   cuda-graph-splitN  cuda-graph with split-finish setting N (which products' output stage is a
-              kernel of its own; TRELLIS_GV_SPLIT_FINISH picks the default, 4; split5+chain:
-              decode chains written by that kernel)
+              kernel of its own; TRELLIS_GV_SPLIT_FINISH picks the default, 5, where that kernel
+              writes the decode chains; cuda-graph-split4+chainattn: the defaults before session 30)
+  cuda-graph-earlyreads / -noearlyreads  cuda-graph with the chain finish kernel reading the input's
+              row sums and the residual before / after its PDL wait (TRELLIS_FINISH_EARLY_READS
+              picks the default, before)
   cuda-graph-torchargmax  cuda-graph with each token picked by torch.argmax (two launches) instead
               of ops.argmax (one kernel), as before session 13
   cuda-graph-sample / -sampleold  cuda-graph with each token drawn with the app's balanced preset
@@ -292,7 +295,8 @@ def main(argv=None) -> int:
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
                          "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-split<N> (split-finish "
-                         "setting N), cuda-graph-lean<N> (the compact ring "
+                         "setting N), cuda-graph-earlyreads / -noearlyreads (the chain finish kernel's reads before / "
+                         "after its PDL wait), cuda-graph-lean<N> (the compact ring "
                          "below N units per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
                          "cuda-graph-pipelined (each step queued before the host reads the token before it), "
@@ -375,6 +379,8 @@ def main(argv=None) -> int:
             ops.extension().set_gemv_lean_units(pick_number("lean", ops.GV_LEAN_UNITS))
             ops.extension().set_gemv_lean_groups(pick_number("leangroups", ops.GV_LEAN_GROUPS))
             ops.extension().set_gemv_split_finish(pick_number("split", ops.GV_SPLIT_FINISH))
+            ops.extension().set_finish_early_reads(
+                pick({"cuda-graph-earlyreads": True, "cuda-graph-noearlyreads": False}, ops.FINISH_EARLY_READS))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)

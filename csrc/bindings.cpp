@@ -835,6 +835,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
     m.def("set_gemv_split_finish", &trellis::set_gemv_split_finish,
           "products whose output transform runs as a kernel of its own after them: 0 none, 1 the block-shared kernel's, 2 also the per-warp kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 also the integer path's, 5 also decode chains' products (the kernel writes the chain output; default)");
+    m.def("set_finish_early_reads", &trellis::set_finish_early_reads,
+          "the decode chains' finish kernel reads the input's row sums and the residual before its PDL wait (default) or after it");
     m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,
           "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,

@@ -164,10 +164,12 @@ __device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __res
 
 // The 1 / rms a product whose input came from a normed chain (MmArgs::in_part) applies to its output
 // row: the sums of squares of the input's in / 128 blocks (part), as lanes' strided shares then a
-// butterfly, so every finisher of the row gets the same bits.
+// butterfly, so every finisher of the row gets the same bits. CG: L2 loads (ld.global.cg), which
+// ptxas keeps ahead of a PDL wait (gv_finish_chain_kernel).
+template <bool CG = false>
 __device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ part, int in, float eps, int lane) {
     float t = 0.f;
-    for (int c = lane; c < (in >> 7); c += 32) t += part[c];
+    for (int c = lane; c < (in >> 7); c += 32) t += CG ? __ldcg(part + c) : part[c];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
     return rsqrtf(t / in + eps);
@@ -271,11 +273,18 @@ constexpr int kGvFinishTasks = 2;
 // chain_block): the same bits. Why: in the product, the chain output sat on its tail behind the
 // completion counts and made every product-to-product link slower than the prep kernel it saves
 // (sessions 7 and 12); this kernel's blocks do it in parallel, in place of that prep kernel.
+// Everything but the workspace is read before the PDL wait, so that after it only the workspace's
+// round trip is on the critical path: the weights always, and with early_reads also what kernels
+// before the product wrote (the input's row sums, the residual), which have completed by the time
+// this grid launches when the product triggers its dependents only after its own wait (early-
+// trigger modes 0 and 2; the host passes false for mode 1, or with finish_early_reads off). After
+// the wait these were one dependent round trip more (the row sums, then the workspace; the
+// workspace, then the residual).
 template <int NEXT>
 __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict__ z, half* __restrict__ y,
                                                                const half* __restrict__ svh,
                                                                const half* __restrict__ bias, int out, int in,
-                                                               const __grid_constant__ GvChain ch) {
+                                                               const __grid_constant__ GvChain ch, bool early_reads) {
     constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
     const int lane = threadIdx.x & 31;
     const int tasks = NEXT == 2 ? ch.next.n >> 7 : out >> 7;  // gated: blocks j and j + n / 128 (chain_block)
@@ -284,17 +293,24 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     int ks[NB];
     uint2 sv[NB], bv[NB];
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {  // the weights before the wait: they do not depend on the product
+    for (int b = 0; b < NB; ++b) {  // L2 loads, which ptxas does not move below the wait (normed_weights)
         ks[b] = (task + b * tasks) * 128 + lane * 4;
-        sv[b] = __ldg(reinterpret_cast<const uint2*>(svh + ks[b]));
-        bv[b] = bias ? __ldg(reinterpret_cast<const uint2*>(bias + ks[b])) : make_uint2(0u, 0u);
+        sv[b] = __ldcg(reinterpret_cast<const uint2*>(svh + ks[b]));
+        bv[b] = bias ? __ldcg(reinterpret_cast<const uint2*>(bias + ks[b])) : make_uint2(0u, 0u);
     }
     uint2 s = make_uint2(0u, 0u);
-    if constexpr (NEXT == 2) s = __ldg(reinterpret_cast<const uint2*>(ch.next.suh + task * 128 + lane * 4));
+    if constexpr (NEXT == 2) s = __ldcg(reinterpret_cast<const uint2*>(ch.next.suh + task * 128 + lane * 4));
+    NormedLoads nl{};
+    if constexpr (NEXT == 1) nl = normed_weights<true>(ch.next, ch.next.nseg, task, lane);
+    float scale = kHadNorm;
+    auto read_earlier = [&] {  // what the kernels before the product wrote
+        if (ch.in_part) scale *= chain_input_inv_rms<true>(ch.in_part, in, ch.in_eps, lane);
+        if constexpr (NEXT == 1) nl.rv = normed_residual_cg(ch.next, task, lane);
+    };
+    if (early_reads) read_earlier();
     pdl_wait_primary();
     pdl_launch_dependents();
-    float scale = kHadNorm;
-    if (ch.in_part) scale *= chain_input_inv_rms(ch.in_part, in, ch.in_eps, lane);
+    if (!early_reads) read_earlier();
     float4 f[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) f[b] = __ldcg(reinterpret_cast<const float4*>(z + ks[b]));
@@ -306,7 +322,15 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
         o[b] = finish_lane4(v, lane, scale, sv[b], bv[b], bias != nullptr);
         *reinterpret_cast<uint2*>(y + ks[b]) = o[b];
     }
-    if constexpr (NEXT == 1) chain_block(ch.next, y, as_h2(o[0].x), as_h2(o[0].y), task, lane);
+    if constexpr (NEXT == 1) {
+        const half2 o0 = as_h2(o[0].x), o1 = as_h2(o[0].y);
+        switch (ch.next.nseg) {
+            case 1: chain_normed<1>(ch.next, o0, o1, task, lane, nl); break;
+            case 2: chain_normed<2>(ch.next, o0, o1, task, lane, nl); break;
+            case 3: chain_normed<3>(ch.next, o0, o1, task, lane, nl); break;
+            default: chain_normed<4>(ch.next, o0, o1, task, lane, nl); break;
+        }
+    }
     if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane);
 }
 
@@ -318,7 +342,7 @@ inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) 
                         : a.next.mode == 2 ? gv_finish_chain_kernel<2>
                                            : gv_finish_chain_kernel<0>;
     return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
-                      a.out, a.in, ch);
+                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads());
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);

@@ -194,6 +194,7 @@ static bool& attn_merge_online_flag() {
 void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
 bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_split_finish(int mode) { gemv_split_finish() = mode >= 0 && mode <= 5 ? mode : 5; }
+void set_finish_early_reads(bool enabled) { finish_early_reads() = enabled; }
 void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }

@@ -175,6 +175,14 @@ inline int& gemv_split_finish() {
     return v;
 }
 
+// Whether gv_finish_chain_kernel reads what the kernels before its product wrote (the input's row
+// sums, the residual) before its PDL wait, where that is safe (set_finish_early_reads; default on;
+// off for a same-run baseline).
+inline bool& finish_early_reads() {
+    static bool v = true;
+    return v;
+}
+
 // The block-shared kernel's grid rule (sa_grid): 1 the shipped one, 0 the one before session 28.
 inline int& gemv_sa_grid() {
     static int v = 1;

@@ -416,19 +416,44 @@ __device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2
     }
 }
 
+// What decode chain mode 1 reads besides the block's outputs, at the lane's 4 columns of block
+// blk: the residual (rv), the norm's weight (w) and each segment's input signs (sv).
+struct NormedLoads {
+    uint2 rv, w, sv[4];
+};
+// The norm's weight and the first `nseg` segments' signs: weights, which a kernel may read before
+// its PDL wait. CG: L2 loads (ld.global.cg), which ptxas keeps ahead of a griddepcontrol.wait,
+// where it moved read-only (.nc) loads below it (gv_finish_chain_kernel's SASS, session 30).
+template <bool CG>
+__device__ __forceinline__ NormedLoads normed_weights(const ChainOut& nx, int nseg, int blk, int lane) {
+    const int k = blk * 128 + lane * 4;
+    auto load = [](const half* p) {
+        return CG ? __ldcg(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
+    };
+    NormedLoads l;
+    l.rv = make_uint2(0u, 0u);
+    l.w = load(nx.norm_w + k);
+#pragma unroll
+    for (int seg = 0; seg < 4; ++seg)
+        if (seg < nseg) l.sv[seg] = load(nx.suh + (size_t)seg * nx.n + k);
+    return l;
+}
+// The residual at the lane's 4 columns of block blk (zero without one), an L2 load.
+__device__ __forceinline__ uint2 normed_residual_cg(const ChainOut& nx, int blk, int lane) {
+    return nx.res ? __ldcg(reinterpret_cast<const uint2*>(nx.res + blk * 128 + lane * 4)) : make_uint2(0u, 0u);
+}
+
 // Decode chain mode 1 for NSEG segments: (y + res) * norm_w * suh[seg] through the Hadamard
-// into int8 chunks. Every load is issued first (one round trip) and the segments' transforms are
-// unrolled together, so their shuffle chains overlap: this runs on the product's tail.
+// into int8 chunks, with its loads (NormedLoads) already issued. The segments' transforms are
+// unrolled together, so their shuffle chains overlap.
 template <int NSEG>
-__device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane) {
+__device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane,
+                                             const NormedLoads& l) {
     const int nch = nx.n >> 7;
     const size_t seg_words = (size_t)(nx.n >> 4) * 32 * 4;
+    const uint2 rv = l.rv, w = l.w;
+    const uint2* sv = l.sv;
     const int k = blk * 128 + lane * 4;
-    const uint2 rv = nx.res ? *reinterpret_cast<const uint2*>(nx.res + k) : make_uint2(0u, 0u);
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(nx.norm_w + k));
-    uint2 sv[NSEG];
-#pragma unroll
-    for (int seg = 0; seg < NSEG; ++seg) sv[seg] = __ldg(reinterpret_cast<const uint2*>(nx.suh + (size_t)seg * nx.n + k));
     uint2 h = make_uint2(as_u32(o0), as_u32(o1));
     if (nx.res) h = add4(h, rv);
     if (nx.res_out) *reinterpret_cast<uint2*>(nx.res_out + k) = h;
@@ -455,6 +480,15 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
                        nch, 1, lane, f[seg]);
     }
     if (lane == 0) nx.part[blk] = ss;
+}
+// The same, loading first (one round trip): this runs on the product's tail (the in-warp chain).
+template <int NSEG>
+__device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane) {
+    const int k = blk * 128 + lane * 4;
+    const uint2 rv = nx.res ? *reinterpret_cast<const uint2*>(nx.res + k) : make_uint2(0u, 0u);
+    NormedLoads l = normed_weights<false>(nx, NSEG, blk, lane);
+    l.rv = rv;
+    chain_normed<NSEG>(nx, o0, o1, blk, lane, l);
 }
 
 // Decode chain mode 2 for chunk j of the next input, from the lane's 4 gate and 4 up outputs (g,

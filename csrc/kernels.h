@@ -222,10 +222,13 @@ void set_self_prep(bool enabled);
 void set_gemv_shared_acts(int mode);
 // Which products' output transform runs as a kernel of its own after them instead of in the warp
 // that completes each 128-column block: 0 none, 1 the block-shared kernel's, 2 also the per-warp
-// kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 (default) also the integer
-// path's, 5 also a decode chain's product, whose chain output the finish kernel then writes
+// kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 also the integer path's,
+// 5 (default) also a decode chain's product, whose chain output the finish kernel then writes
 // (exl3_mm.cuh, gemv_split_finish).
 void set_gemv_split_finish(int mode);
+// Whether that chain finish kernel reads its inputs from earlier kernels before its PDL wait
+// (default on; exl3_mm.cuh, finish_early_reads).
+void set_finish_early_reads(bool enabled);
 // How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before
 // session 28 (about 8 column groups per block), a benchmark baseline.

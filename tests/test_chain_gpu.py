@@ -33,17 +33,29 @@ def chains(monkeypatch):
 
 
 # Split-finish settings (ops.GV_SPLIT_FINISH): at 4 a chain product's finishing warps write the
-# chain output; at 5 the product runs plain and gv_finish_chain_kernel writes it.
+# chain output; at 5 the product runs plain and gv_finish_chain_kernel writes it, reading what the
+# kernels before the product wrote (the input's row sums, the residual) before its PDL wait or,
+# with set_finish_early_reads off, after it.
 IN_WARP, FINISH_KERNEL = 4, 5
 
 
-@pytest.fixture(params=[IN_WARP, FINISH_KERNEL], ids=["in-warp", "finish-kernel"])
-def split(request):
-    """Each chain test under both ways of writing the chain output."""
+def _set_split(mode: int, early_reads: bool = True) -> None:
     ext = ops.extension()
-    ext.set_gemv_split_finish(request.param)
-    yield request.param
-    ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
+    ext.set_gemv_split_finish(mode)
+    ext.set_finish_early_reads(early_reads)
+
+
+def _restore_split() -> None:
+    _set_split(ops.GV_SPLIT_FINISH, ops.FINISH_EARLY_READS)
+
+
+@pytest.fixture(params=[(IN_WARP, True), (FINISH_KERNEL, True), (FINISH_KERNEL, False)],
+                ids=["in-warp", "finish-kernel", "finish-kernel-late-reads"])
+def split(request):
+    """Each chain test under every way of writing the chain output."""
+    _set_split(*request.param)
+    yield request.param[0]
+    _restore_split()
 
 
 def _chain_kernels(names) -> tuple[int, int]:
@@ -207,21 +219,20 @@ def _synth_model(tmp_path):
     return write_synth_model(tmp_path / "synth", Shape(512, 1024, 2, 4, 2, 512, 128), 4.0, 6, "mul1", seed=5)
 
 
-@pytest.mark.parametrize("which,links,split_mode", [("fixture", "1", IN_WARP), ("synth", "1", IN_WARP),
-                                                    ("synth", "attn", IN_WARP), ("synth", "gated", IN_WARP),
-                                                    ("synth", "normed", IN_WARP), ("fixture", "1", FINISH_KERNEL),
-                                                    ("synth", "1", FINISH_KERNEL)])
+@pytest.mark.parametrize("which,links,split_mode,early_reads", [
+    ("fixture", "1", IN_WARP, True), ("synth", "1", IN_WARP, True), ("synth", "attn", IN_WARP, True),
+    ("synth", "gated", IN_WARP, True), ("synth", "normed", IN_WARP, True), ("fixture", "1", FINISH_KERNEL, True),
+    ("synth", "1", FINISH_KERNEL, True), ("synth", "1", FINISH_KERNEL, False)])
 def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkeypatch, request, which, links,
-                                                  split_mode):
+                                                  split_mode, early_reads):
     """Decode steps with chains (every link, or one: TRELLIS_CHAIN) against the prep-kernel path:
     the reference's Llama fixture (dims multiples of 128, head dim 64, so every link but
     attention -> o_proj chains) and a synthetic model of head dim 128 (every link)."""
     from engine.models import load_model
     from tests.test_static_cache import decode_logits
 
-    ext = ops.extension()
-    ext.set_gemv_split_finish(split_mode)
-    request.addfinalizer(lambda: ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH))
+    _set_split(split_mode, early_reads)
+    request.addfinalizer(_restore_split)
     path = ref_fixtures / "exl3" / "llama-4.0bpw-mul1-h6" if which == "fixture" else _synth_model(tmp_path)
     model = load_model(path, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()

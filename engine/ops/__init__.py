@@ -63,6 +63,11 @@ if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT != 7:
 # 28), and 3 8% faster than 2 at batch 5 and 8; on the H200, 4 was 3-5% faster than 3 at batch 1
 # and 10% at batch 4 (session 29, csrc/PERF_NOTES.md).
 GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "5") or 5)
+# At 5, the chain finish kernel reads what kernels before its product wrote (the input's row sums,
+# the residual) before its PDL wait, so that after the wait only the product's sums are a round trip
+# away (csrc/exl3_gemv.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
+# it, as first written (a same-run baseline).
+FINISH_EARLY_READS = os.environ.get("TRELLIS_FINISH_EARLY_READS", "1") != "0"
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
@@ -209,6 +214,7 @@ def extension():
         # of at least 4096 x 14336 weights, 2 all.
         _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
+        _ext.set_finish_early_reads(FINISH_EARLY_READS)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
         _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
