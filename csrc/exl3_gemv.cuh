@@ -242,7 +242,8 @@ __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, h
     int rs[kTasks], ks[kTasks];
     uint2 sv[kTasks], bv[kTasks];
 #pragma unroll
-    for (int j = 0; j < kTasks; ++j) {  // the weights before the wait: they do not depend on the product
+    for (int j = 0; j < kTasks; ++j) {  // the weights before the wait (ptxas moves the second task's
+                                        // .nc loads below it; the workspace loads follow at once)
         const long t = task0 + j < tasks ? task0 + j : tasks - 1;
         rs[j] = (int)(t / blocks);
         ks[j] = (int)(t - (long)rs[j] * blocks) * 128 + lane * 4;

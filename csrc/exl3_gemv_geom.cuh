@@ -39,9 +39,10 @@ __host__ __device__ constexpr int gv_stages() {
 // rows) for large layers, 10 (four k rows, two stages) for the largest on the integer path. For
 // K = 4 the debug variant 10 + CFG (bench.linear --variants,
 // TRELLIS_GV_VARIANT) selects one, to measure what a GPU prefers: on the H200 more blocks per SM
-// never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5), nor, on an
-// H100, three blocks at 80 registers (session 30, one row of 8192x28672: two k rows per unit
-// 26-66% slower, their loops spilling; four k rows of 4 tiles 8% slower, 4% faster at 14336x4096).
+// never paid for the fewer tiles per unit they need (csrc/PERF_NOTES.md, session 5), nor did three
+// blocks at 80 registers (sessions 10 and 30; on an H100, one row of 8192x28672: two k rows per
+// unit 26-66% slower than CFG 10, their loops spilling; four k rows of 4 tiles 8% slower, and 4%
+// faster only at 14336x4096).
 struct GvTune {
     int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
 };
