@@ -31,6 +31,8 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-splitN  cuda-graph with split-finish setting N (which products' output stage is a
               kernel of its own; TRELLIS_GV_SPLIT_FINISH picks the default, 5, where that kernel
               writes the decode chains; cuda-graph-split4+chainattn: the defaults before session 30)
+  cuda-graph-chainrowsN  cuda-graph with decode steps of up to N rows (2..4: --batch) chaining
+              through the finish kernel (TRELLIS_CHAIN_ROWS picks the default, 1)
   cuda-graph-earlyreads / -noearlyreads  cuda-graph with the chain finish kernel reading the input's
               row sums and the residual before / after its PDL wait (TRELLIS_FINISH_EARLY_READS
               picks the default, before)
@@ -295,7 +297,8 @@ def main(argv=None) -> int:
                          "-nochain (decode chains on / off: products writing the next one's input, or a prep kernel "
                          "before every product), cuda-graph-noopen / -open / -opengated / -opennormed (open sums), "
                          "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-split<N> (split-finish "
-                         "setting N), cuda-graph-earlyreads / -noearlyreads (the chain finish kernel's reads before / "
+                         "setting N), cuda-graph-chainrows<N> (decode steps of up to N rows chaining), "
+                         "cuda-graph-earlyreads / -noearlyreads (the chain finish kernel's reads before / "
                          "after its PDL wait), cuda-graph-lean<N> (the compact ring "
                          "below N units per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
@@ -329,6 +332,7 @@ def main(argv=None) -> int:
     chain_d256_default = ops.ATTN_CHAIN_D256
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
+    chain_rows_default = ops.CHAIN_ROWS
     for path in args.paths:
         model, load_s = load_kind(loaded, model_dir, path)
         graph = path.startswith("cuda-graph")
@@ -365,6 +369,7 @@ def main(argv=None) -> int:
                                    chain_d256_default)
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
+        ops.CHAIN_ROWS = pick_number("chainrows", chain_rows_default)
         if path != "torch":
             from engine.models.layers import fuse_projections, split_projections
 

@@ -56,22 +56,22 @@ void check_f32(const torch::Tensor& t, int64_t n, const char* name) {
                 name, " must be a contiguous fp32 CUDA tensor of ", n, " elements");
 }
 
-// The int8 input of a decode product (m = 1, one fragment group) that another kernel writes:
-// xb [nseg, in/16, 1, 32, 4] int32, scales [nseg, 1, in/128, 2] and csum [nseg, 1, in/128] fp32.
+// The int8 input of a decode product (1..4 rows, one fragment group) that another kernel writes:
+// xb [nseg, in/16, 1, 32, 4] int32, scales [nseg, rows, in/128, 2] and csum [nseg, rows, in/128] fp32.
 void check_prepared(const torch::Tensor& xb, const torch::Tensor& scales, const torch::Tensor& csum, int64_t nseg,
-                    int64_t in) {
+                    int64_t in, int64_t rows) {
     TORCH_CHECK(xb.is_cuda() && xb.scalar_type() == torch::kInt && xb.is_contiguous() &&
                     xb.numel() == nseg * (in / 16) * 32 * 4,
                 "prepared xb must be a contiguous int32 CUDA tensor [segments, in/16, 1, 32, 4]");
-    check_f32(scales, nseg * (in / 128) * 2, "prepared scales");
-    check_f32(csum, nseg * (in / 128), "prepared csum");
+    check_f32(scales, nseg * rows * (in / 128) * 2, "prepared scales");
+    check_f32(csum, nseg * rows * (in / 128), "prepared csum");
 }
 
 // The decode chain's output (trellis::ChainOut) from its tensors. mode 1: [xb, scales, csum,
 // suh, part, norm_w] and optionally [res, res_out]; mode 2: [xb, scales, csum, suh, pairs]. n is
-// the next product's in: this product's out (mode 1) or half of it (mode 2).
+// the next product's in: this product's out (mode 1) or half of it (mode 2); rows this product's.
 trellis::ChainOut chain_out(std::vector<torch::Tensor>& t, int64_t mode, int64_t act, int64_t out,
-                            const std::vector<int64_t>& seg_cols) {
+                            const std::vector<int64_t>& seg_cols, int64_t rows) {
     trellis::ChainOut c;
     TORCH_CHECK(mode == 1 || mode == 2, "chain mode must be 1 (normed) or 2 (gated)");
     TORCH_CHECK(mode == 1 ? (t.size() == 6 || t.size() == 8) : t.size() == 5,
@@ -86,19 +86,19 @@ trellis::ChainOut chain_out(std::vector<torch::Tensor>& t, int64_t mode, int64_t
     c.mode = (int)mode;
     c.n = (int)n;
     c.nseg = (int)(t[3].numel() / n);
-    check_prepared(t[0], t[1], t[2], c.nseg, n);
+    check_prepared(t[0], t[1], t[2], c.nseg, n, rows);
     c.xb = reinterpret_cast<uint32_t*>(t[0].data_ptr());
     c.scales = reinterpret_cast<float2*>(t[1].data_ptr());
     c.csum = t[2].data_ptr<float>();
     c.suh = hptr(t[3]);
     if (mode == 1) {
-        check_f32(t[4], n / 128, "chain part");
+        check_f32(t[4], rows * (n / 128), "chain part");
         check_half_vec(t[5], n, "chain norm weight");
         c.part = t[4].data_ptr<float>();
         c.norm_w = hptr(t[5]);
         if (t.size() == 8) {
-            check_half_vec(t[6], n, "chain residual");
-            check_half_vec(t[7], n, "chain residual_out");
+            check_half_vec(t[6], rows * n, "chain residual");
+            check_half_vec(t[7], rows * n, "chain residual_out");
             c.res = hptr(t[6]);
             c.res_out = hptr_mut(t[7]);
         }
@@ -113,9 +113,9 @@ trellis::ChainOut chain_out(std::vector<torch::Tensor>& t, int64_t mode, int64_t
     return c;
 }
 
-bool chain_fits(int64_t in, int64_t out, int64_t K) {
+bool chain_fits(int64_t in, int64_t out, int64_t K, int64_t rows) {
     trellis::MmArgs a;
-    a.m = 1;
+    a.m = (int)rows;
     a.in = (int)in;
     a.out = (int)out;
     a.K = (int)K;
@@ -149,7 +149,8 @@ trellis::OpenSums open_sums(const torch::Tensor& z, const torch::Tensor& svh, co
 // seg_cols (grouped product, version 3 with counters): the trellis is up to four linears
 // concatenated along the columns, linear s + 1 starting at column seg_cols[s]; suh is then
 // [linears, in] and svh, bias, y span all of them.
-// Decode chains (m = 1, version 3 with counters; csrc/kernels.h ChainOut): `prepared` = [xb,
+// Decode chains (m = 1, or 2..4 with split finish 5; version 3 with counters; csrc/kernels.h
+// ChainOut): `prepared` = [xb,
 // scales, csum] (and [part] when they lack the norm's 1 / rms, applied with eps) is this product's
 // int8 input, written by the previous product's output stage, so no prep runs; x then only gives
 // m. `chain` (with chain_mode, chain_act) makes this product's output stage write the next one's.
@@ -278,22 +279,23 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
     a.m = (int)chunk;
     if (!chain.empty() || !prepared.empty()) {
-        TORCH_CHECK(fused_out && m == 1 && use_i8,
-                    "decode chains take one row on the version-3 MUL1 integer-path product with counters");
+        TORCH_CHECK(fused_out && use_i8 && (m == 1 || (m <= 4 && trellis::gemv_split_finish_setting() >= 5)),
+                    "decode chains take one row (2..4 with split finish 5) on the version-3 MUL1 integer-path "
+                    "product with counters");
         if (!chain.empty()) {
-            a.next = chain_out(chain, chain_mode, chain_act, out, seg_cols);
+            a.next = chain_out(chain, chain_mode, chain_act, out, seg_cols, m);
             TORCH_CHECK(trellis::gemv_chain_fits(a), "this product's shape (or a debug variant) cannot write a chain output");
         }
     }
     if (!prepared.empty()) {
         TORCH_CHECK(use_i8 && !up.has_value() && !norm_w.has_value() && (prepared.size() == 3 || prepared.size() == 4),
                     "a prepared input is [xb, scales, csum (, part)] of a MUL1 integer-path product, without up or norm");
-        check_prepared(prepared[0], prepared[1], prepared[2], nseg, in);
+        check_prepared(prepared[0], prepared[1], prepared[2], nseg, in, m);
         a.xb = reinterpret_cast<const uint32_t*>(prepared[0].data_ptr());
         a.scales = reinterpret_cast<const float2*>(prepared[1].data_ptr());
         a.csum = prepared[2].data_ptr<float>();
         if (prepared.size() == 4) {
-            check_f32(prepared[3], in / 128, "prepared part");
+            check_f32(prepared[3], m * (in / 128), "prepared part");
             a.in_part = prepared[3].data_ptr<float>();
             a.in_eps = (float)eps;
         }
@@ -725,7 +727,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         TORCH_CHECK(next.size() == 4 && B == 1 && trellis::decode_attention_chains(a),
                     "decode_attention: a chain output is [xb, scales, csum, suh] for one sequence of head dim 128, or 256 "
                     "on the tensor-core walk (decode_attention_chain_serves)");
-        check_prepared(next[0], next[1], next[2], 1, H * D);
+        check_prepared(next[0], next[1], next[2], 1, H * D, 1);
         check_half_vec(next[3], H * D, "decode_attention: o_proj suh");
         a.next_xb = reinterpret_cast<uint32_t*>(next[0].data_ptr());
         a.next_scales = reinterpret_cast<float2*>(next[1].data_ptr());
@@ -809,7 +811,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("capped_softmax_max_len", &trellis::capped_softmax_max_len, "the longest score row capped_softmax_ takes");
     m.def("decode_attention_chain_serves", &decode_attention_chain_serves,
           "whether decode attention over this cache span can write o_proj's input (head dim 128, or 256 on the tensor-core walk)");
-    m.def("chain_fits", &chain_fits, "whether a one-row product of this shape can write a decode chain output");
+    m.def("chain_fits", &chain_fits, "whether a product of this shape and rows (1..4) can write a decode chain output",
+          py::arg("in_features"), py::arg("out_features"), py::arg("K"), py::arg("rows") = 1);
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
@@ -835,6 +838,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all");
     m.def("set_gemv_split_finish", &trellis::set_gemv_split_finish,
           "products whose output transform runs as a kernel of its own after them: 0 none, 1 the block-shared kernel's, 2 also the per-warp kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 also the integer path's, 5 also decode chains' products (the kernel writes the chain output; default)");
+    m.def("split_finish_setting", &trellis::gemv_split_finish_setting, "the split-finish setting in force (set_gemv_split_finish)");
     m.def("set_finish_early_reads", &trellis::set_finish_early_reads,
           "the decode chains' finish kernel reads the input's row sums and the residual before its PDL wait (default) or after it");
     m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,

@@ -281,16 +281,27 @@ constexpr int kGvFinishTasks = 2;
 // trigger modes 0 and 2; the host passes false for mode 1, or with finish_early_reads off). After
 // the wait these were one dependent round trip more (the row sums, then the workspace; the
 // workspace, then the residual).
-template <int NEXT>
+// MR: 2..4 rows (ldy apart in y, out apart in the workspace; the chain's row r at r, the input's
+// row sums in_part + r * in / 128), a warp per (row, task); TRELLIS_CHAIN_ROWS, not yet run on a
+// GPU. Without it one row, and the kernel that ran in session 30.
+template <int NEXT, bool MR = false>
 __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict__ z, half* __restrict__ y,
                                                                const half* __restrict__ svh,
                                                                const half* __restrict__ bias, int out, int in,
-                                                               const __grid_constant__ GvChain ch, bool early_reads) {
+                                                               const __grid_constant__ GvChain ch, bool early_reads,
+                                                               int ldy, int rows) {
     constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
     const int lane = threadIdx.x & 31;
     const int tasks = NEXT == 2 ? ch.next.n >> 7 : out >> 7;  // gated: blocks j and j + n / 128 (chain_block)
-    const int task = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (task >= tasks) return;
+    const int task_all = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (task_all >= (MR ? tasks * rows : tasks)) return;
+    const int r = MR ? task_all / tasks : 0;  // the row
+    const int task = MR ? task_all - r * tasks : task_all;
+    if constexpr (MR) {
+        z += (size_t)r * out;
+        y += (size_t)r * ldy;
+    }
+    const float* in_part = MR && ch.in_part ? ch.in_part + (size_t)r * (in >> 7) : ch.in_part;
     int ks[NB];
     uint2 sv[NB], bv[NB];
 #pragma unroll
@@ -305,8 +316,8 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     if constexpr (NEXT == 1) nl = normed_weights<true>(ch.next, ch.next.nseg, task, lane);
     float scale = kHadNorm;
     auto read_earlier = [&] {  // what the kernels before the product wrote
-        if (ch.in_part) scale *= chain_input_inv_rms<true>(ch.in_part, in, ch.in_eps, lane);
-        if constexpr (NEXT == 1) nl.rv = normed_residual_cg(ch.next, task, lane);
+        if (in_part) scale *= chain_input_inv_rms<true>(in_part, in, ch.in_eps, lane);
+        if constexpr (NEXT == 1) nl.rv = normed_residual_cg(ch.next, task, lane, r);
     };
     if (early_reads) read_earlier();
     pdl_wait_primary();
@@ -325,25 +336,28 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     }
     if constexpr (NEXT == 1) {
         const half2 o0 = as_h2(o[0].x), o1 = as_h2(o[0].y);
+        const int rs = MR ? rows : 1;
         switch (ch.next.nseg) {
-            case 1: chain_normed<1>(ch.next, o0, o1, task, lane, nl); break;
-            case 2: chain_normed<2>(ch.next, o0, o1, task, lane, nl); break;
-            case 3: chain_normed<3>(ch.next, o0, o1, task, lane, nl); break;
-            default: chain_normed<4>(ch.next, o0, o1, task, lane, nl); break;
+            case 1: chain_normed<1>(ch.next, o0, o1, task, lane, nl, r, rs); break;
+            case 2: chain_normed<2>(ch.next, o0, o1, task, lane, nl, r, rs); break;
+            case 3: chain_normed<3>(ch.next, o0, o1, task, lane, nl, r, rs); break;
+            default: chain_normed<4>(ch.next, o0, o1, task, lane, nl, r, rs); break;
         }
     }
-    if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane);
+    if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane, r);
 }
 
-// Launch gv_finish_chain_kernel for a one-row product with chain arguments (MmArgs::in_part, next).
+// Launch gv_finish_chain_kernel for a product of 1..4 rows with chain arguments (MmArgs::in_part,
+// next).
 inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) {
     const GvChain ch{a.in_part, a.in_eps, a.next};
-    const int tasks = a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7;
-    const auto kernel = a.next.mode == 1   ? gv_finish_chain_kernel<1>
-                        : a.next.mode == 2 ? gv_finish_chain_kernel<2>
-                                           : gv_finish_chain_kernel<0>;
+    const int tasks = (a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7) * a.m;
+    const bool mr = a.m > 1;
+    const auto kernel = a.next.mode == 1   ? (mr ? gv_finish_chain_kernel<1, true> : gv_finish_chain_kernel<1>)
+                        : a.next.mode == 2 ? (mr ? gv_finish_chain_kernel<2, true> : gv_finish_chain_kernel<2>)
+                                           : (mr ? gv_finish_chain_kernel<0, true> : gv_finish_chain_kernel<0>);
     return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
-                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads());
+                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m);
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);
@@ -979,10 +993,11 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 // (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
-    if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path at m = 1 only
+    if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path, one group of rows
         if constexpr (PATH == GV_I8 && NG == 1) {
             // gemv_split_finish 5: a plain product, then gv_finish_chain_kernel (launch_gv_finish)
             if (gemv_split_finish() >= 5) return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
+            if (a.m != 1) return cudaErrorInvalidValue;  // the in-warp chain writes one row
             return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
         }
         return cudaErrorInvalidValue;

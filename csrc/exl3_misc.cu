@@ -195,6 +195,7 @@ void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
 bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_split_finish(int mode) { gemv_split_finish() = mode >= 0 && mode <= 5 ? mode : 5; }
 void set_finish_early_reads(bool enabled) { finish_early_reads() = enabled; }
+int gemv_split_finish_setting() { return gemv_split_finish(); }
 void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
@@ -271,7 +272,9 @@ static long gv_most_units(const MmArgs& a, int cfg, int& kr) {
 }
 
 bool gemv_chain_fits(const MmArgs& a) {
-    if (mm_debug_variant() != 0 || a.version != 3 || a.m != 1 || a.in % 128 || a.out % 128) return false;
+    if (mm_debug_variant() != 0 || a.version != 3 || a.m < 1 || a.in % 128 || a.out % 128) return false;
+    // 2..4 rows: only through the finish kernel (gemv_split_finish 5), which has no limit of its own
+    if (a.m > 1) return a.m <= 4 && gemv_split_finish() >= 5 && a.out / 128 <= 0xffff;
     const GvPick pick = gv_pick_one_row(a, false);
     if (pick.blocks_per_sm == 0) return false;
     // The warp with the most units spans at most (units - 1) / rows_kr + 2 column groups (the

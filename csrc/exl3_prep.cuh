@@ -438,17 +438,20 @@ __device__ __forceinline__ NormedLoads normed_weights(const ChainOut& nx, int ns
         if (seg < nseg) l.sv[seg] = load(nx.suh + (size_t)seg * nx.n + k);
     return l;
 }
-// The residual at the lane's 4 columns of block blk (zero without one), an L2 load.
-__device__ __forceinline__ uint2 normed_residual_cg(const ChainOut& nx, int blk, int lane) {
-    return nx.res ? __ldcg(reinterpret_cast<const uint2*>(nx.res + blk * 128 + lane * 4)) : make_uint2(0u, 0u);
+// The residual at the lane's 4 columns of block blk of row r (zero without one), an L2 load.
+__device__ __forceinline__ uint2 normed_residual_cg(const ChainOut& nx, int blk, int lane, int r = 0) {
+    return nx.res ? __ldcg(reinterpret_cast<const uint2*>(nx.res + (size_t)r * nx.n + blk * 128 + lane * 4))
+                  : make_uint2(0u, 0u);
 }
 
 // Decode chain mode 1 for NSEG segments: (y + res) * norm_w * suh[seg] through the Hadamard
 // into int8 chunks, with its loads (NormedLoads) already issued. The segments' transforms are
-// unrolled together, so their shuffle chains overlap.
+// unrolled together, so their shuffle chains overlap. Row r of `rows` (gv_finish_chain_kernel at
+// 2..4 rows; the in-warp chain writes one): prep_frag's layout, scales and sums [nseg, rows, n /
+// 128], part [rows, n / 128], the residual rows n apart.
 template <int NSEG>
 __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane,
-                                             const NormedLoads& l) {
+                                             const NormedLoads& l, int r = 0, int rows = 1) {
     const int nch = nx.n >> 7;
     const size_t seg_words = (size_t)(nx.n >> 4) * 32 * 4;
     const uint2 rv = l.rv, w = l.w;
@@ -456,7 +459,7 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
     const int k = blk * 128 + lane * 4;
     uint2 h = make_uint2(as_u32(o0), as_u32(o1));
     if (nx.res) h = add4(h, rv);
-    if (nx.res_out) *reinterpret_cast<uint2*>(nx.res_out + k) = h;
+    if (nx.res_out) *reinterpret_cast<uint2*>(nx.res_out + (size_t)r * nx.n + k) = h;
     const float2 a = __half22float2(as_h2(h.x)), b = __half22float2(as_h2(h.y));
     const float hv[4] = {a.x, a.y, b.x, b.y};
     float ss = hv[0] * hv[0] + hv[1] * hv[1] + hv[2] * hv[2] + hv[3] * hv[3];
@@ -476,10 +479,10 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
     for (int seg = 0; seg < NSEG; ++seg) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) f[seg][q] *= kHadNorm;
-        store_i8_chunk(nx.xb + seg * seg_words, nx.scales + (size_t)seg * nch, nx.csum + (size_t)seg * nch, 0, blk,
-                       nch, 1, lane, f[seg]);
+        store_i8_chunk(nx.xb + seg * seg_words, nx.scales + (size_t)seg * rows * nch, nx.csum + (size_t)seg * rows * nch,
+                       r, blk, nch, 1, lane, f[seg]);
     }
-    if (lane == 0) nx.part[blk] = ss;
+    if (lane == 0) nx.part[r * nch + blk] = ss;
 }
 // The same, loading first (one round trip): this runs on the product's tail (the in-warp chain).
 template <int NSEG>
@@ -493,12 +496,14 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
 
 // Decode chain mode 2 for chunk j of the next input, from the lane's 4 gate and 4 up outputs (g,
 // u) and the next product's input signs s there: the same bits as the down projection's own prep
-// (lane_input's gated branch, then lane_xh).
-__device__ __forceinline__ void chain_gated_chunk(const ChainOut& nx, uint2 g, uint2 u, uint2 s, int j, int lane) {
+// (lane_input's gated branch, then lane_xh), into row r (gv_finish_chain_kernel at 2..4 rows; the
+// in-warp chain writes one).
+__device__ __forceinline__ void chain_gated_chunk(const ChainOut& nx, uint2 g, uint2 u, uint2 s, int j, int lane,
+                                                  int r = 0) {
     half2 x0, x1;
     lane_xh(gated4(g, u, nx.act), s, lane, x0, x1);
     const float f[4] = {__low2float(x0), __high2float(x0), __low2float(x1), __high2float(x1)};
-    store_i8_chunk(nx.xb, nx.scales, nx.csum, 0, j, nx.n >> 7, 1, lane, f);
+    store_i8_chunk(nx.xb, nx.scales, nx.csum, r, j, nx.n >> 7, 1, lane, f);
 }
 
 // Decode chain (ChainOut, m = 1), run by the warp that finished output block `blk` of a product

@@ -226,6 +226,7 @@ void set_gemv_shared_acts(int mode);
 // 5 (default) also a decode chain's product, whose chain output the finish kernel then writes
 // (exl3_mm.cuh, gemv_split_finish).
 void set_gemv_split_finish(int mode);
+int gemv_split_finish_setting();
 // Whether that chain finish kernel reads its inputs from earlier kernels before its PDL wait
 // (default on; exl3_mm.cuh, finish_early_reads).
 void set_finish_early_reads(bool enabled);
@@ -266,8 +267,9 @@ int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int
 // fit its chunk slots.
 bool gemv_self_prep(const MmArgs& a);
 
-// Whether the product described by `a` can write a chain output (ChainOut): one row, no debug
-// variant, and no warp finishes more column blocks than the kernel keeps for their chain output.
+// Whether the product described by `a` can write a chain output (ChainOut): no debug variant, and
+// one row where no warp finishes more column blocks than the kernel keeps for their chain output,
+// or 2..4 rows with gemv_split_finish 5 (the finish kernel writes them).
 bool gemv_chain_fits(const MmArgs& a);
 
 // Dense inner weight What [in, out] fp16, bit-exact with the format's reference decode.

@@ -91,7 +91,8 @@ def test_gated_chain_is_the_down_projections_own_prep(chains, split, act, hidden
     _zero_state()
 
 
-def test_gated_chain_declines_what_it_cannot_serve(chains):
+def test_gated_chain_declines_what_it_cannot_serve(chains, monkeypatch):
+    monkeypatch.setattr(ops, "CHAIN_ROWS", 1)  # two rows chain only where TRELLIS_CHAIN_ROWS asks
     gate, up, down = rand_layer(512, 768, 4, 1), rand_layer(512, 640, 4, 2), rand_layer(768, 512, 4, 3)
     g = ops.join_linears([gate, up])  # halves of different widths
     assert ops.gated_chain(torch.randn(1, 1, 512, device=DEV).half(), g, down, "silu", 512) is None
@@ -164,6 +165,57 @@ def test_normed_chain_then_gated_chain_then_normed_chain(chains, split):
     for gi, wi in zip(got, want):
         assert rel_rms(gi, wi) < 3e-3
     _zero_state()
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_the_three_links_at_several_rows(chains, rows, request, monkeypatch):
+    """With ops.CHAIN_ROWS a decode step of 2..4 rows (a batch, or speculative decoding's check)
+    chains too, through the finish kernel only (split finish 5; its multi-row form, MR): the three
+    links of a Llama layer give the prep-kernel path's outputs, the residual stream included, and
+    four multi-row chain finish kernels run, with one prep kernel (o's own input) where the plain
+    path runs four. Under split finish 4 (the in-warp chain, one row) the same step declines."""
+    monkeypatch.setattr(ops, "CHAIN_ROWS", 4)
+    _set_split(FINISH_KERNEL)
+    request.addfinalizer(_restore_split)
+    n, inter = 1024, 2816
+    o = rand_layer(n, n, 4, 21)
+    gu = ops.join_linears([rand_layer(n, inter, 4, 22), rand_layer(n, inter, 4, 23)])
+    down = rand_layer(inter, n, 4, 24, bias=True)
+    qkv = ops.join_linears([rand_layer(n, c, 4, 25 + i, bias=True) for i, c in enumerate((1024, 256, 256))])
+    w1, w2 = (torch.rand(n, device=DEV) + 0.5).half(), (torch.rand(n, device=DEV) + 0.5).half()
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    a = torch.randn(rows, 1, n, device=DEV, generator=g).half()
+    res = (torch.randn(rows, 1, n, device=DEV, generator=g) * 4).half()
+    a[rows - 1] *= 8  # rows of different scales: each row's own 1 / rms
+
+    def layer(chain_on: bool):
+        ops.CHAIN = chain.LINKS if chain_on else frozenset()
+        d = ops.defer_linear(a, o, n)
+        assert isinstance(d, ops.Deferred) == chain_on
+        h = ops.PendingNorm(d, w1, 1e-5, res)
+        mlp = ops.gated_chain(h, gu, down, "silu", n, defer=True) if chain_on else None
+        assert (mlp is not None) == chain_on
+        if mlp is None:
+            gy, uy = ops.exl3_gemm_group(h, gu)
+            mlp = ops.exl3_gemm(gy, down, up=uy)
+        h2 = ops.PendingNorm(mlp, w2, 1e-5, ops.as_sum(h))
+        return ops.exl3_gemm_group(h2, qkv), ops.as_sum(h2)
+
+    got, got_sum = layer(True)
+    want, want_sum = layer(False)
+    names = kernel_names(lambda: layer(True))
+    ops.CHAIN = chain.LINKS
+    assert sum("gv_finish_chain_kernel<" in k and ", true>" in k for k in names) == 4, names
+    assert sum("prep_frag_kernel" in k for k in names) == 1, names  # o's own input only
+    assert got_sum.shape == want_sum.shape == (rows, 1, n)
+    for r in range(rows):
+        assert rel_rms(got_sum[r], want_sum[r]) < 3e-3, r
+        for gi, wi in zip(got, want):
+            assert gi.shape == wi.shape
+            assert rel_rms(gi[r], wi[r]) < 3e-3, r
+    _zero_state()
+    _set_split(IN_WARP)
+    assert not isinstance(ops.defer_linear(a, o, n), ops.Deferred)
 
 
 @pytest.mark.parametrize("heads,kv_heads,slots", [(32, 8, 300), (4, 2, 17), (8, 8, 1000)])

@@ -84,6 +84,11 @@ OPEN_SUMS = _open.parse_setting(os.environ.get("TRELLIS_OPEN_SUMS", "0"))
 # o_proj's input), because the products' own tails writing the product-to-product links (gated,
 # normed) made decode slower, each alone and together (sessions 7, 12 and 30; csrc/PERF_NOTES.md).
 CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "1" if GV_SPLIT_FINISH >= 5 and not OPEN_SUMS else "attn"))
+# Decode steps of how many rows chain (batch decode, speculative decoding's checks): 1 (default)
+# or up to 4 (TRELLIS_CHAIN_ROWS), the integer path's one group; beyond one row only where the
+# finish kernel writes the links (split finish 5), and not the attention link (one sequence).
+# Written in session 30, not yet run on a GPU.
+CHAIN_ROWS = max(1, min(4, int(os.environ.get("TRELLIS_CHAIN_ROWS", "1") or 1)))
 
 # From how many k-row quads per resident warp a one-group product takes four k rows per unit
 # (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
@@ -496,7 +501,7 @@ def exl3_gemm(x: "torch.Tensor | OpenSums", t, *, mode: str = "auto", ksplit: in
     "dense", or "torch" (the reference, wherever the tensors are). int8: MUL1 integer path for
     m <= 8 (None: up to INT8_MAX_ROWS rows). up: the input is gated_act(x, up, act) instead of x; the fused
     kernel computes it in its activation prep (a gated MLP's down projection, one launch fewer).
-    chain: what the output stage also writes for the next product (one row, fused; chain.py).
+    chain: what the output stage also writes for the next product (1..4 rows, fused; chain.py).
     Open sums (open_sums.py): x and up may be the open output of the product before, which this
     product's prep finishes as it reads it; open_out returns this product's output as OpenSums
     where it may stay open (else the finished tensor)."""
@@ -522,7 +527,7 @@ def exl3_gemm(x: "torch.Tensor | OpenSums", t, *, mode: str = "auto", ksplit: in
         _no_chain(chain)
         return _fmt.exl3_matmul_reference(x, t)
     lead = x.shape[:-1]
-    if chain is not None and not (fused and version == 3 and lead.numel() == 1):
+    if chain is not None and not (fused and version == 3 and lead.numel() <= 4):
         _no_chain(chain)
     x2 = _kernel_rows(x, in_f)
     rows = x2.shape[0]
@@ -609,7 +614,7 @@ def _open_product(x: OpenSums, up: OpenSums | None, act: str, t, int8: bool | No
 def _no_chain(chain: ChainOut | None) -> None:
     """A chain output asked of a path that cannot write it would leave the next input unwritten."""
     if chain is not None:
-        raise ValueError("a chain output needs the fused one-row product on the GPU")
+        raise ValueError("a chain output needs the fused product of a decode step's rows on the GPU")
 
 
 def _chain_args(chain: ChainOut | None) -> tuple:
@@ -641,7 +646,7 @@ def exl3_gemm_group(x: "torch.Tensor | PendingNorm | OpenSums", g: EXL3Group, *,
     product's prep then computes the norm (and the residual sum) itself, and with PREP_DOUBLE_NORM
     a norm over a norm too (PendingNorm.pre_weight; elsewhere settle_pre runs the inner one first);
     where its x is a Deferred product, that product's output stage writes this one's input
-    (chain.py). chain: what this product's output stage writes for the next one (one row, fused).
+    (chain.py). chain: what this product's output stage writes for the next one (1..4 rows, fused).
     x (or the norm's x) may be open sums, and open_out leaves this product's outputs open where it
     may (open_sums.py)."""
     in_f = g.trellis.shape[0] * 16

@@ -53,9 +53,10 @@ def parse_setting(value: str) -> frozenset[str]:
 
 @dataclass
 class PreparedInput:
-    """A one-row product's int8 input in prep_frag's layout (one fragment group): xb [segments,
-    in/16, 1, 32, 4], the passes' steps and the chunk sums. With `part` (sums of squares of the
-    in/128 blocks) the values still lack the norm's 1 / rms, which the product applies (eps)."""
+    """A decode product's int8 input (1..4 rows) in prep_frag's layout (one fragment group): xb
+    [segments, in/16, 1, 32, 4], the passes' steps and the chunk sums [segments, rows, in/128].
+    With `part` (sums of squares of each row's in/128 blocks) the values still lack the norm's
+    1 / rms, which the product applies (eps)."""
 
     xb: torch.Tensor
     scales: torch.Tensor
@@ -64,15 +65,20 @@ class PreparedInput:
     eps: float = 0.0
 
     @staticmethod
-    def empty(segments: int, n: int, device: torch.device, normed: bool = False, eps: float = 0.0) -> "PreparedInput":
+    def empty(segments: int, n: int, device: torch.device, normed: bool = False, eps: float = 0.0,
+              rows: int = 1) -> "PreparedInput":
         nch = n // 128
         return PreparedInput(
             xb=torch.empty(segments, n // 16, 1, 32, 4, dtype=torch.int32, device=device),
-            scales=torch.empty(segments, 1, nch, 2, dtype=torch.float32, device=device),
-            csum=torch.empty(segments, 1, nch, dtype=torch.float32, device=device),
-            part=torch.empty(nch, dtype=torch.float32, device=device) if normed else None,
+            scales=torch.empty(segments, rows, nch, 2, dtype=torch.float32, device=device),
+            csum=torch.empty(segments, rows, nch, dtype=torch.float32, device=device),
+            part=torch.empty(rows, nch, dtype=torch.float32, device=device) if normed else None,
             eps=eps,
         )
+
+    @property
+    def rows(self) -> int:
+        return self.scales.shape[1]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.xb, self.scales, self.csum] + ([self.part] if self.part is not None else [])
@@ -101,8 +107,9 @@ class ChainOut:
 
 @dataclass
 class Deferred:
-    """A one-row EXL3 product not launched yet. `x` is its input (a tensor, or a PreparedInput
-    some earlier product's output stage writes); `lead` the output's leading shape."""
+    """An EXL3 product of a decode step (1..4 rows) not launched yet. `x` is its input (a tensor,
+    or a PreparedInput some earlier product's output stage writes); `lead` the output's leading
+    shape."""
 
     x: "torch.Tensor | PreparedInput"
     t: object  # EXL3Tensors
@@ -166,20 +173,21 @@ def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 def exl3_gemm_chained(x: "torch.Tensor | PreparedInput", t, chain: ChainOut | None) -> torch.Tensor:
-    """One row of ops.exl3_gemm where x may be a PreparedInput (the previous product's output stage
-    wrote it) and the output stage may write `chain` for the next product. [1, out_padded]."""
+    """ops.exl3_gemm of a decode step's 1..4 rows where x may be a PreparedInput (the previous
+    product's output stage wrote it) and the output stage may write `chain` for the next product.
+    [rows, out_padded]."""
     if not isinstance(x, PreparedInput):
-        return ops.exl3_gemm(x.reshape(1, -1), t, mode="fused", chain=chain)
+        return ops.exl3_gemm(x.reshape(-1, x.shape[-1]), t, mode="fused", chain=chain)
     return _product_on_prepared(t, ops._padded_bias(t, t.trellis.shape[1] * 16), [], x, chain)
 
 
 def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: PreparedInput,
                          chain: ChainOut | None) -> torch.Tensor:
-    """The fused one-row product of t (EXL3Tensors, or an EXL3Group with its seg_cols) on a
-    PreparedInput, its output stage writing `chain` too. [1, out_padded]."""
+    """The fused product of t (EXL3Tensors, or an EXL3Group with its seg_cols) on a PreparedInput
+    of 1..4 rows, its output stage writing `chain` too. [rows, out_padded]."""
     in_f, out_f = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16
     device = t.trellis.device
-    stand_in = torch.empty(1, in_f, dtype=torch.float16, device=device)  # gives m; never read
+    stand_in = torch.empty(x.rows, in_f, dtype=torch.float16, device=device)  # gives m; never read
     return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook],
                                      ops.workspace(device, out_f), 0, 1, 3, ops.block_counters(device, out_f // 128),
                                      seg_cols, None, 0, None, x.eps, None, None, x.tensors(), *ops._chain_args(chain),
@@ -193,7 +201,7 @@ def _chains_on(link: str) -> bool:
 
 
 def _takes_prepared(t, in_f: int, device: torch.device, link: str) -> bool:
-    """Whether a one-row product of `t` can read a PreparedInput that `link` writes: the link is
+    """Whether a decode product of `t` can read a PreparedInput that `link` writes: the link is
     on, the product is the fused MUL1 integer path of the version-3 kernel, on the GPU."""
     return (_chains_on(link) and ops.INT8_MAX_ROWS >= 1 and t.codebook == "mul1" and t.trellis.is_cuda
             and t.trellis.device == device and t.trellis.shape[0] * 16 == in_f and in_f % 128 == 0
@@ -201,26 +209,39 @@ def _takes_prepared(t, in_f: int, device: torch.device, link: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _chain_fits(in_f: int, out_f: int, K: int) -> bool:
-    """Whether a one-row product of this shape can write a chain output (csrc gemv_chain_fits:
-    no warp finishes more column blocks than the kernel keeps, no debug variant)."""
-    return bool(ops.extension().chain_fits(in_f, out_f, K))
+def _chain_fits(in_f: int, out_f: int, K: int, rows: int, split: int) -> bool:
+    """Whether a product of this shape and rows can write a chain output (csrc gemv_chain_fits:
+    one row where no warp finishes more column blocks than the kernel keeps, 2..4 rows through
+    the finish kernel; no debug variant). `split`, the split-finish setting the answer for 2..4
+    rows depends on, keys the cache."""
+    return bool(ops.extension().chain_fits(in_f, out_f, K, rows))
 
 
-def _writes_chain(t) -> bool:
-    """Whether a one-row product of t (EXL3Tensors or EXL3Group) can write a chain output: the MUL1
-    integer path (the kernels with chain code), a shape whose finished blocks the kernel can keep."""
+def _chain_rows(rows: int) -> bool:
+    """Whether a decode step of this many rows may chain: one, or up to ops.CHAIN_ROWS (at most
+    the integer path's four) where the finish kernel writes the links (split finish 5)."""
+    return rows == 1 or (1 < rows <= min(ops.CHAIN_ROWS, ops.INT8_MAX_ROWS, 4)
+                         and ops.extension().split_finish_setting() >= 5)
+
+
+def _writes_chain(t, rows: int = 1) -> bool:
+    """Whether a product of t (EXL3Tensors or EXL3Group) on `rows` rows can write a chain output:
+    the MUL1 integer path, a shape the kernels can finish with a chain output."""
     in_f, out_f, K = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16, t.trellis.shape[2] // 16
-    return t.codebook == "mul1" and ops.INT8_MAX_ROWS >= 1 and ops._DEFAULT_VARIANT == 0 and _chain_fits(in_f, out_f, K)
+    if not (t.codebook == "mul1" and ops.INT8_MAX_ROWS >= rows and ops._DEFAULT_VARIANT == 0 and _chain_rows(rows)):
+        return False
+    return _chain_fits(in_f, out_f, K, rows, ops.extension().split_finish_setting() if rows > 1 else 0)
 
 
 def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Deferred":
-    """ops.exl3_linear(x, t, out_features), or, for one row on the GPU where chains are on, the same
-    product not launched yet (a Deferred): its reader may launch it with a chain output. Without
-    chains, its output may stay open sums (ops.open_linear) for the reader's prep to finish."""
+    """ops.exl3_linear(x, t, out_features), or, for a decode step's row (or rows: ops.CHAIN_ROWS)
+    on the GPU where chains are on, the same product not launched yet (a Deferred): its reader may
+    launch it with a chain output. Without chains, its output may stay open sums (ops.open_linear)
+    for the reader's prep to finish."""
     in_f = t.trellis.shape[0] * 16
-    if (_chains_on("normed") and x.shape[:-1].numel() == 1 and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh)
-            and t.trellis.is_cuda and _writes_chain(t)):
+    rows = x.shape[:-1].numel()
+    if (_chains_on("normed") and x.shape[-1] == in_f and ops._use_cuda(x, t.suh, t.svh) and t.trellis.is_cuda
+            and _writes_chain(t, rows)):
         return Deferred(x, t, out_features, x.dtype, tuple(x.shape[:-1]))
     return ops.open_linear(x, t, out_features)
 
@@ -230,15 +251,16 @@ _pair_counters: dict = {}  # per device: int32 per chunk pair, zero between call
 
 def gated_chain(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group, down, act: str, out_features: int,
                 defer: bool = False) -> "torch.Tensor | Deferred | None":
-    """down(act(gate(x)) * up(x)) for one row, the gate/up product's output stage writing the down
-    projection's input. A Deferred down product with `defer`. None where the chain does not serve
-    (the caller then runs the plain path)."""
+    """down(act(gate(x)) * up(x)) for a decode step's row (or rows: ops.CHAIN_ROWS), the gate/up
+    product's output stage writing the down projection's input. A Deferred down product with
+    `defer`. None where the chain does not serve (the caller then runs the plain path)."""
     n = down.trellis.shape[0] * 16
     lead = x.shape[:-1]
-    if (act not in ops._ACT_IDS or lead.numel() != 1 or not is_gate_up(g, n)
-            or not _takes_prepared(down, n, g.trellis.device, "gated") or not _writes_chain(g)):
+    rows = lead.numel()
+    if (act not in ops._ACT_IDS or not is_gate_up(g, n)
+            or not _takes_prepared(down, n, g.trellis.device, "gated") or not _writes_chain(g, rows)):
         return None
-    target = PreparedInput.empty(1, n, g.trellis.device)
+    target = PreparedInput.empty(1, n, g.trellis.device, rows=rows)
     pairs = ops._zeroed(_pair_counters, g.trellis.device, n // 128, 1024, torch.int32)
     ops.exl3_gemm_group(x, g, mode="fused", chain=ChainOut.gated(target, down.suh, pairs, ops._ACT_IDS[act]))
     d = Deferred(target, down, out_features, x.dtype, tuple(lead))
@@ -251,12 +273,13 @@ def chain_into_group(p: "ops.PendingNorm", g: ops.EXL3Group, chain: ChainOut | N
     d: Deferred = p.x
     in_f = g.trellis.shape[0] * 16
     res = p.residual
+    rows = d.shape[:-1].numel()
     if not (d.padded_out == in_f == d.out_features and p.weight.is_contiguous() and p.weight.numel() == in_f
-            and ops._use_cuda(p.weight) and _takes_prepared(g, in_f, d.device, "normed") and _writes_chain(d.t)
-            and d.shape.numel() == in_f
+            and ops._use_cuda(p.weight) and _takes_prepared(g, in_f, d.device, "normed") and _writes_chain(d.t, rows)
+            and d.shape.numel() == rows * in_f
             and (res is None or (res.is_contiguous() and res.shape == d.shape and ops._use_cuda(res)))):
         return None
-    target = PreparedInput.empty(len(g.members), in_f, d.device, normed=True, eps=p.eps)
+    target = PreparedInput.empty(len(g.members), in_f, d.device, normed=True, eps=p.eps, rows=rows)
     res_out = None if res is None else torch.empty_like(res)
     y = d.launch(ChainOut.normed(target, g.suh, p.weight, res, res_out))
     p.sum = y if res is None else res_out
