@@ -9,6 +9,8 @@ the next product's int8 input, against the prep-kernel path the chain replaces.
 - whole models: decode steps with chains against the same steps without."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -133,33 +135,53 @@ def test_normed_chain_into_a_group(chains, split, n, outs, K, bias, with_residua
     _zero_state()
 
 
+@dataclass
+class _LinkLayer:
+    """A Llama layer's products and norm weights for its three links: o -> gate/up -> down -> q/k/v."""
+    n: int
+    o: object
+    gu: object
+    down: object
+    qkv: object
+    w1: torch.Tensor
+    w2: torch.Tensor
+
+    @staticmethod
+    def random(n: int, inter: int, seed: int, down_bias: bool = False) -> "_LinkLayer":
+        return _LinkLayer(n, rand_layer(n, n, 4, seed),
+                          ops.join_linears([rand_layer(n, inter, 4, seed + 1), rand_layer(n, inter, 4, seed + 2)]),
+                          rand_layer(inter, n, 4, seed + 3, bias=down_bias),
+                          ops.join_linears([rand_layer(n, c, 4, seed + 4 + i, bias=True)
+                                            for i, c in enumerate((n, n // 4, n // 4))]),
+                          (torch.rand(n, device=DEV) + 0.5).half(), (torch.rand(n, device=DEV) + 0.5).half())
+
+    def run(self, a: torch.Tensor, res: torch.Tensor, chain_on: bool):
+        """(q/k/v outputs, the residual stream after the MLP, whether o and gate/up chained), as the
+        model runs them: with chain_on every link is on, else none."""
+        ops.CHAIN = chain.LINKS if chain_on else frozenset()
+        d = ops.defer_linear(a, self.o, self.n)
+        h = ops.PendingNorm(d, self.w1, 1e-5, res)
+        mlp = ops.gated_chain(h, self.gu, self.down, "silu", self.n, defer=True) if chain_on else None
+        chained = isinstance(d, ops.Deferred) and mlp is not None
+        if mlp is None:
+            gy, uy = ops.exl3_gemm_group(h, self.gu)
+            mlp = ops.exl3_gemm(gy, self.down, up=uy)
+        h2 = ops.PendingNorm(mlp, self.w2, 1e-5, ops.as_sum(h))
+        out = ops.exl3_gemm_group(h2, self.qkv), ops.as_sum(h2), chained
+        ops.CHAIN = chain.LINKS
+        return out
+
+
 def test_normed_chain_then_gated_chain_then_normed_chain(chains, split):
     """A Llama layer's three links in a row, as the model runs them: o -> gate/up -> down -> q/k/v.
     Under split-finish setting 5 no product runs the chain code: four chain finish kernels (o,
     gate/up, down, q/k/v, the last for its input's 1 / rms) write the links instead."""
-    n, inter = 1024, 2816
-    o = rand_layer(n, n, 4, 11)
-    gu = ops.join_linears([rand_layer(n, inter, 4, 12), rand_layer(n, inter, 4, 13)])
-    down = rand_layer(inter, n, 4, 14)
-    qkv = ops.join_linears([rand_layer(n, c, 4, 15 + i, bias=True) for i, c in enumerate((1024, 256, 256))])
-    w1, w2 = (torch.rand(n, device=DEV) + 0.5).half(), (torch.rand(n, device=DEV) + 0.5).half()
-    a, res = torch.randn(1, 1, n, device=DEV).half(), (torch.randn(1, 1, n, device=DEV) * 4).half()
-
-    def layer(chain_on: bool):
-        ops.CHAIN = chain.LINKS if chain_on else frozenset()
-        h = ops.PendingNorm(ops.defer_linear(a, o, n), w1, 1e-5, res)
-        mlp = ops.gated_chain(h, gu, down, "silu", n, defer=True) if chain_on else None
-        if mlp is None:
-            gy, uy = ops.exl3_gemm_group(h, gu)
-            mlp = ops.exl3_gemm(gy, down, up=uy)
-        h2 = ops.PendingNorm(mlp, w2, 1e-5, ops.as_sum(h))
-        return ops.exl3_gemm_group(h2, qkv), ops.as_sum(h2)
-
-    got, got_sum = layer(True)
-    want, want_sum = layer(False)
-    ops.CHAIN = chain.LINKS
-    with_chain, finish_kernels = _chain_kernels(kernel_names(lambda: layer(True)))
-    ops.CHAIN = chain.LINKS
+    layer = _LinkLayer.random(1024, 2816, 11)
+    a, res = torch.randn(1, 1, 1024, device=DEV).half(), (torch.randn(1, 1, 1024, device=DEV) * 4).half()
+    got, got_sum, chained = layer.run(a, res, True)
+    want, want_sum, _ = layer.run(a, res, False)
+    assert chained
+    with_chain, finish_kernels = _chain_kernels(kernel_names(lambda: layer.run(a, res, True)))
     assert (with_chain, finish_kernels) == ((0, 4) if split == FINISH_KERNEL else (4, 0))
     assert rel_rms(got_sum, want_sum) < 3e-3
     for gi, wi in zip(got, want):
@@ -177,34 +199,17 @@ def test_the_three_links_at_several_rows(chains, rows, request, monkeypatch):
     monkeypatch.setattr(ops, "CHAIN_ROWS", 4)
     _set_split(FINISH_KERNEL)
     request.addfinalizer(_restore_split)
-    n, inter = 1024, 2816
-    o = rand_layer(n, n, 4, 21)
-    gu = ops.join_linears([rand_layer(n, inter, 4, 22), rand_layer(n, inter, 4, 23)])
-    down = rand_layer(inter, n, 4, 24, bias=True)
-    qkv = ops.join_linears([rand_layer(n, c, 4, 25 + i, bias=True) for i, c in enumerate((1024, 256, 256))])
-    w1, w2 = (torch.rand(n, device=DEV) + 0.5).half(), (torch.rand(n, device=DEV) + 0.5).half()
+    n = 1024
+    layer = _LinkLayer.random(n, 2816, 21, down_bias=True)
     g = torch.Generator(device=DEV).manual_seed(rows)
     a = torch.randn(rows, 1, n, device=DEV, generator=g).half()
     res = (torch.randn(rows, 1, n, device=DEV, generator=g) * 4).half()
     a[rows - 1] *= 8  # rows of different scales: each row's own 1 / rms
 
-    def layer(chain_on: bool):
-        ops.CHAIN = chain.LINKS if chain_on else frozenset()
-        d = ops.defer_linear(a, o, n)
-        assert isinstance(d, ops.Deferred) == chain_on
-        h = ops.PendingNorm(d, w1, 1e-5, res)
-        mlp = ops.gated_chain(h, gu, down, "silu", n, defer=True) if chain_on else None
-        assert (mlp is not None) == chain_on
-        if mlp is None:
-            gy, uy = ops.exl3_gemm_group(h, gu)
-            mlp = ops.exl3_gemm(gy, down, up=uy)
-        h2 = ops.PendingNorm(mlp, w2, 1e-5, ops.as_sum(h))
-        return ops.exl3_gemm_group(h2, qkv), ops.as_sum(h2)
-
-    got, got_sum = layer(True)
-    want, want_sum = layer(False)
-    names = kernel_names(lambda: layer(True))
-    ops.CHAIN = chain.LINKS
+    got, got_sum, chained = layer.run(a, res, True)
+    want, want_sum, _ = layer.run(a, res, False)
+    assert chained
+    names = kernel_names(lambda: layer.run(a, res, True))
     assert sum("gv_finish_chain_kernel<" in k and ", true>" in k for k in names) == 4, names
     assert sum("prep_frag_kernel" in k for k in names) == 1, names  # o's own input only
     assert got_sum.shape == want_sum.shape == (rows, 1, n)
@@ -215,7 +220,7 @@ def test_the_three_links_at_several_rows(chains, rows, request, monkeypatch):
             assert rel_rms(gi[r], wi[r]) < 3e-3, r
     _zero_state()
     _set_split(IN_WARP)
-    assert not isinstance(ops.defer_linear(a, o, n), ops.Deferred)
+    assert not layer.run(a, res, True)[2]
 
 
 @pytest.mark.parametrize("heads,kv_heads,slots", [(32, 8, 300), (4, 2, 17), (8, 8, 1000)])
