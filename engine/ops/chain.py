@@ -188,10 +188,10 @@ def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: P
     in_f, out_f = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16
     device = t.trellis.device
     stand_in = torch.empty(x.rows, in_f, dtype=torch.float16, device=device)  # gives m; never read
-    return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook],
-                                     ops.workspace(device, out_f), 0, 1, 3, ops.block_counters(device, out_f // 128),
-                                     seg_cols, None, 0, None, x.eps, None, None, x.tensors(), *ops._chain_args(chain),
-                                     [], None, False)
+    ws = ops.workspace(device, x.rows * out_f)
+    return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook], ws, 0, 1,
+                                     3, ops.block_counters(device, out_f // 128), seg_cols, None, 0, None, x.eps, None,
+                                     None, x.tensors(), *ops._chain_args(chain), [], None, False)
 
 
 def _chains_on(link: str) -> bool:
