@@ -283,7 +283,8 @@ constexpr int kGvFinishTasks = 2;
 // workspace, then the residual).
 // MR: 2..4 rows (ldy apart in y, out apart in the workspace; the chain's row r at r, the input's
 // row sums in_part + r * in / 128), a warp per (row, task); TRELLIS_CHAIN_ROWS, not yet run on a
-// GPU. Without it one row, and the kernel that ran in session 30.
+// GPU. Without it, one row (the code session 30's GPU runs took; the build allocates its registers
+// a little differently since MR).
 template <int NEXT, bool MR = false>
 __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict__ z, half* __restrict__ y,
                                                                const half* __restrict__ svh,

@@ -226,7 +226,7 @@ void set_gemv_shared_acts(int mode);
 // 5 (default) also a decode chain's product, whose chain output the finish kernel then writes
 // (exl3_mm.cuh, gemv_split_finish).
 void set_gemv_split_finish(int mode);
-int gemv_split_finish_setting();
+int gemv_split_finish_setting();  // the setting in force (decode chains of 2..4 rows need 5)
 // Whether that chain finish kernel reads its inputs from earlier kernels before its PDL wait
 // (default on; exl3_mm.cuh, finish_early_reads).
 void set_finish_early_reads(bool enabled);
