@@ -335,16 +335,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
         o[b] = finish_lane4(v, lane, scale, sv[b], bv[b], bias != nullptr);
         *reinterpret_cast<uint2*>(y + ks[b]) = o[b];
     }
-    if constexpr (NEXT == 1) {
-        const half2 o0 = as_h2(o[0].x), o1 = as_h2(o[0].y);
-        const int rs = MR ? rows : 1;
-        switch (ch.next.nseg) {
-            case 1: chain_normed<1>(ch.next, o0, o1, task, lane, nl, r, rs); break;
-            case 2: chain_normed<2>(ch.next, o0, o1, task, lane, nl, r, rs); break;
-            case 3: chain_normed<3>(ch.next, o0, o1, task, lane, nl, r, rs); break;
-            default: chain_normed<4>(ch.next, o0, o1, task, lane, nl, r, rs); break;
-        }
-    }
+    if constexpr (NEXT == 1) chain_normed_segs(ch.next, as_h2(o[0].x), as_h2(o[0].y), task, lane, nl, r, MR ? rows : 1);
     if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane, r);
 }
 

@@ -479,19 +479,20 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
     for (int seg = 0; seg < NSEG; ++seg) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) f[seg][q] *= kHadNorm;
-        store_i8_chunk(nx.xb + seg * seg_words, nx.scales + (size_t)seg * rows * nch, nx.csum + (size_t)seg * rows * nch,
-                       r, blk, nch, 1, lane, f[seg]);
+        const size_t seg_rows = (size_t)seg * rows * nch;
+        store_i8_chunk(nx.xb + seg * seg_words, nx.scales + seg_rows, nx.csum + seg_rows, r, blk, nch, 1, lane, f[seg]);
     }
     if (lane == 0) nx.part[r * nch + blk] = ss;
 }
-// The same, loading first (one round trip): this runs on the product's tail (the in-warp chain).
-template <int NSEG>
-__device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane) {
-    const int k = blk * 128 + lane * 4;
-    const uint2 rv = nx.res ? *reinterpret_cast<const uint2*>(nx.res + k) : make_uint2(0u, 0u);
-    NormedLoads l = normed_weights<false>(nx, NSEG, blk, lane);
-    l.rv = rv;
-    chain_normed<NSEG>(nx, o0, o1, blk, lane, l);
+// chain_normed for the chain's nseg (1..4, known at run time).
+__device__ __forceinline__ void chain_normed_segs(const ChainOut& nx, half2 o0, half2 o1, int blk, int lane,
+                                                  const NormedLoads& l, int r = 0, int rows = 1) {
+    switch (nx.nseg) {
+        case 1: return chain_normed<1>(nx, o0, o1, blk, lane, l, r, rows);
+        case 2: return chain_normed<2>(nx, o0, o1, blk, lane, l, r, rows);
+        case 3: return chain_normed<3>(nx, o0, o1, blk, lane, l, r, rows);
+        default: return chain_normed<4>(nx, o0, o1, blk, lane, l, r, rows);
+    }
 }
 
 // Decode chain mode 2 for chunk j of the next input, from the lane's 4 gate and 4 up outputs (g,
@@ -511,13 +512,11 @@ __device__ __forceinline__ void chain_gated_chunk(const ChainOut& nx, uint2 g, u
 // Writes the block's part of the next product's int8 input (see ChainOut in kernels.h).
 __device__ __forceinline__ void chain_block(const ChainOut& nx, const half* y, half2 o0, half2 o1, int blk,
                                             int lane) {
-    if (nx.mode == 1) {
-        switch (nx.nseg) {
-            case 1: return chain_normed<1>(nx, o0, o1, blk, lane);
-            case 2: return chain_normed<2>(nx, o0, o1, blk, lane);
-            case 3: return chain_normed<3>(nx, o0, o1, blk, lane);
-            default: return chain_normed<4>(nx, o0, o1, blk, lane);
-        }
+    if (nx.mode == 1) {  // every load first (one round trip): this runs on the product's tail
+        const uint2 rv = nx.res ? *reinterpret_cast<const uint2*>(nx.res + blk * 128 + lane * 4) : make_uint2(0u, 0u);
+        NormedLoads l = normed_weights<false>(nx, nx.nseg, blk, lane);
+        l.rv = rv;
+        return chain_normed_segs(nx, o0, o1, blk, lane, l);
     }
     // mode 2: blocks j (gate) and j + nch (up) make chunk j of act(gate) * up. The first of the
     // two to finish only counts; the second reads the other's y through L2.
