@@ -22,7 +22,7 @@ from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import chain as chain_links  # noqa: E402
 from tests.gpu_layers import kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
-from tests.test_chain_gpu import _zero_state  # noqa: E402
+from tests.test_chain_gpu import _restore_split, _set_split, _zero_state  # noqa: E402
 from tests.test_self_prep_gpu import prep_kernels  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -124,9 +124,8 @@ def test_compact_gated_chain(hidden, inter, K, split, compact, monkeypatch, requ
     chain code writes it, with 5 (the default) a plain product on the compact ring and then
     gv_finish_chain_kernel."""
     monkeypatch.setattr(ops, "CHAIN", chain_links.LINKS)
-    ext = ops.extension()
-    ext.set_gemv_split_finish(split)
-    request.addfinalizer(lambda: ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH))
+    _set_split(split)
+    request.addfinalizer(_restore_split)
     seed = hidden + inter + K
     gate, up = rand_layer(hidden, inter, K, "mul1", seed), rand_layer(hidden, inter, K, "mul1", seed + 1, bias=True)
     down = rand_layer(inter, hidden, K, "mul1", seed + 2, bias=True)

@@ -270,6 +270,6 @@ def test_split_finish_of_one_row_group(rows):
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_split_finish_of_the_integer_path(rows):
-    """Setting 4 (the default) gives the integer path's products (1..4 rows) the finish kernel
-    too; 3 leaves them to their warps."""
+    """Setting 4 (and up; 5 the default) gives the integer path's products (1..4 rows) the finish
+    kernel too; 3 leaves them to their warps."""
     _finish_kernel_against_warps(rows, 4, 3, int8=True)
