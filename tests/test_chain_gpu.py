@@ -260,12 +260,14 @@ def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, reque
     _zero_state()
 
 
-def test_deferred_product_alone_is_the_plain_product(chains):
+def test_deferred_product_alone_is_the_plain_product(chains, monkeypatch):
     o = rand_layer(1024, 1024, 4, 21, bias=True)
     a = torch.randn(1, 1, 1024, device=DEV).half()
     d = ops.defer_linear(a, o, 1000)  # trimmed like exl3_linear
     assert isinstance(d, ops.Deferred) and d.shape == (1, 1, 1000)
     assert rel_rms(ops.as_tensor(d), ops.exl3_linear(a, o, 1000)) < 5e-4  # split-k atomics' order apart
+    assert not isinstance(ops.defer_linear(torch.randn(5, 1, 1024, device=DEV).half(), o, 1000), ops.Deferred)
+    monkeypatch.setattr(ops, "CHAIN_ROWS", 1)  # one-row chains only
     assert not isinstance(ops.defer_linear(torch.randn(2, 1, 1024, device=DEV).half(), o, 1000), ops.Deferred)
 
 
@@ -306,6 +308,7 @@ def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkey
     monkeypatch.setattr(chain, "chain_into_group", counted("normed", real_normed))
     monkeypatch.setattr(ops, "gated_chain", counted("gated", real_gated))
     monkeypatch.setattr(ops, "attention_into_chain", counted("attention", real_attn))
+    monkeypatch.setattr(ops, "open_qkv", counted("normed", ops.open_qkv))  # down -> q/k/v left as sums
     runs = {}
     on = chain.parse_setting(links)
     for setting in (on, frozenset()):
