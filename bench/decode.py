@@ -33,12 +33,6 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               writes the decode chains; cuda-graph-split4+chainattn: the defaults before session 30)
   cuda-graph-chainrowsN  cuda-graph with decode steps of up to N rows (2..4: --batch) chaining
               through the finish kernel (TRELLIS_CHAIN_ROWS picks the default, 4)
-  cuda-graph-finishlate / -finishearly  cuda-graph with the chain finish kernel letting the next product
-              launch at its end / right after its PDL wait (TRELLIS_FINISH_LATE_TRIGGER picks the
-              default, early)
-  cuda-graph-qkvsums / -noqkvsums  cuda-graph with the decode attention kernel finishing the q/k/v
-              product's split-k sums / a finish kernel writing q, k and v before it
-              (TRELLIS_ATTN_QKV_SUMS picks the default, off)
   cuda-graph-earlyreads / -noearlyreads  cuda-graph with the chain finish kernel reading the input's
               row sums and the residual before / after its PDL wait (TRELLIS_FINISH_EARLY_READS
               picks the default, before)
@@ -305,10 +299,7 @@ def main(argv=None) -> int:
                          "cuda-graph-fourrows<N> (four k rows per unit from N quads per warp), cuda-graph-split<N> (split-finish "
                          "setting N), cuda-graph-chainrows<N> (decode steps of up to N rows chaining), "
                          "cuda-graph-earlyreads / -noearlyreads (the chain finish kernel's reads before / "
-                         "after its PDL wait), cuda-graph-qkvsums / -noqkvsums (attention finishes the q/k/v "
-                         "product's sums / a finish kernel writes q, k, v), cuda-graph-finishlate / -finishearly (the chain "
-                         "finish kernel lets the next product launch at its end / after its wait), "
-                         "cuda-graph-lean<N> (the compact ring "
+                         "after its PDL wait), cuda-graph-lean<N> (the compact ring "
                          "below N units per warp), cuda-graph-torchargmax (tokens "
                          "picked by torch.argmax), cuda-graph-sample / -sampleold (tokens drawn with the balanced preset), "
                          "cuda-graph-pipelined (each step queued before the host reads the token before it), "
@@ -341,7 +332,7 @@ def main(argv=None) -> int:
     chain_d256_default = ops.ATTN_CHAIN_D256
     topk_default, merge_default = ops.TOPK_KERNEL, ops.ATTN_MERGE_ONLINE
     self_prep_default, chain_default, open_default = ops.SELF_PREP, ops.CHAIN, ops.OPEN_SUMS
-    chain_rows_default, qkv_sums_default = ops.CHAIN_ROWS, ops.ATTN_QKV_SUMS
+    chain_rows_default = ops.CHAIN_ROWS
     for path in args.paths:
         model, load_s = load_kind(loaded, model_dir, path)
         graph = path.startswith("cuda-graph")
@@ -379,7 +370,6 @@ def main(argv=None) -> int:
         ops.OPEN_SUMS = open_sums.parse_setting(pick(OPEN_PATHS, "")) if names & OPEN_PATHS.keys() else open_default
         ops.CHAIN = chain.parse_setting(pick(CHAIN_PATHS, "")) if names & CHAIN_PATHS.keys() else chain_default
         ops.CHAIN_ROWS = pick_number("chainrows", chain_rows_default)
-        ops.ATTN_QKV_SUMS = pick({"cuda-graph-qkvsums": True, "cuda-graph-noqkvsums": False}, qkv_sums_default)
         if path != "torch":
             from engine.models.layers import fuse_projections, split_projections
 
@@ -396,8 +386,6 @@ def main(argv=None) -> int:
             ops.extension().set_gemv_split_finish(pick_number("split", ops.GV_SPLIT_FINISH))
             ops.extension().set_finish_early_reads(
                 pick({"cuda-graph-earlyreads": True, "cuda-graph-noearlyreads": False}, ops.FINISH_EARLY_READS))
-            ops.extension().set_finish_late_trigger(
-                pick({"cuda-graph-finishlate": True, "cuda-graph-finishearly": False}, ops.FINISH_LATE_TRIGGER))
             ops.extension().set_self_prep(
                 pick({"cuda-graph-sepprep": False, "cuda-graph-noprep": False, "cuda-graph-selfprep": True}, self_prep_default))
             ops.extension().set_attn_merge_online(merge_default and "cuda-graph-attnmerge2" not in names)

@@ -182,27 +182,20 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                 "x rows must be 8-byte aligned");
     trellis::OpenSums xo, uo;
     if (open_in || open_out) {
-        TORCH_CHECK(version == 3 && m <= 8 && (prepared.empty() || !open_in) && chain.empty(),
+        TORCH_CHECK(version == 3 && m <= 8 && prepared.empty() && chain.empty(),
                     "open sums take the version-3 product at m <= 8, without decode chains");
     }
-    auto check_zero_after = [&](const char* what) {
+    if (open_in) {
+        TORCH_CHECK(open_post.size() == (up.has_value() ? 4u : 2u), "open sums need their svh and bias (open_post)");
         TORCH_CHECK(zero_after.has_value() && zero_after->is_cuda() && zero_after->scalar_type() == torch::kFloat &&
                         zero_after->is_contiguous() && zero_after->numel() % 4 == 0 &&
                         reinterpret_cast<uintptr_t>(zero_after->data_ptr()) % 16 == 0,
-                    what, " need the fp32 region that holds them (zero_after), 16-byte aligned");
-        TORCH_CHECK(zero_after->numel() < (1LL << 31), what, " region too large");
-    };
-    if (open_in) {
-        TORCH_CHECK(open_post.size() == (up.has_value() ? 4u : 2u), "open sums need their svh and bias (open_post)");
-        check_zero_after("open sums");
+                    "open sums need the fp32 region that holds them (zero_after), 16-byte aligned");
+        TORCH_CHECK(zero_after->numel() < (1LL << 31), "open sums region too large");
         xo = open_sums(x, open_post[0], open_post[1], m, in, "x");
         if (up.has_value()) uo = open_sums(*up, open_post[2], open_post[3], m, in, "up");
-    } else if (zero_after.has_value()) {  // a decode attention's q/k/v sums, read before this product (o_proj)
-        TORCH_CHECK(open_post.empty() && !prepared.empty(),
-                    "zero_after goes with open-sums input, or with a prepared input (the q/k/v sums attention read)");
-        check_zero_after("q/k/v sums");
     } else {
-        TORCH_CHECK(open_post.empty(), "open_post goes with open-sums input");
+        TORCH_CHECK(open_post.empty() && !zero_after.has_value(), "open_post and zero_after go with open-sums input");
     }
     const int nseg = (int)seg_cols.size() + 1;
     TORCH_CHECK(nseg <= 4, "a grouped product takes at most four linears");
@@ -270,7 +263,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     a.early_trigger = trellis::early_trigger_setting();
     a.version = version == 2 ? 2 : 3;
     const bool fused_out = a.version == 3 && counters.has_value() && !open_out;
-    if (zero_after.has_value()) {
+    if (open_in) {
         a.zero_after = zero_after->data_ptr<float>();
         a.zero_n = (int)zero_after->numel();
     }
@@ -286,10 +279,9 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
     for (size_t s = 0; s < seg_cols.size(); ++s) a.seg_cols[s] = (int)seg_cols[s];
     a.m = (int)chunk;
     if (!chain.empty() || !prepared.empty()) {
-        TORCH_CHECK((fused_out || (open_out && chain.empty())) && use_i8 &&
-                        (m == 1 || (m <= 4 && trellis::gemv_split_finish_setting() >= 5)),
+        TORCH_CHECK(fused_out && use_i8 && (m == 1 || (m <= 4 && trellis::gemv_split_finish_setting() >= 5)),
                     "decode chains take one row (2..4 with split finish 5) on the version-3 MUL1 integer-path "
-                    "product with counters (or open output, without a chain output)");
+                    "product with counters");
         if (!chain.empty()) {
             a.next = chain_out(chain, chain_mode, chain_act, out, seg_cols, m);
             TORCH_CHECK(trellis::gemv_chain_fits(a), "this product's shape (or a debug variant) cannot write a chain output");
@@ -304,14 +296,8 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         a.csum = prepared[2].data_ptr<float>();
         if (prepared.size() == 4) {
             check_f32(prepared[3], m * (in / 128), "prepared part");
-            if (!open_out) {  // open: the sums' reader applies the 1 / rms (DecodeAttnArgs::sums_part)
-                a.in_part = prepared[3].data_ptr<float>();
-                a.in_eps = (float)eps;
-            }
-        }
-        if (open_out) {  // no output transform, no finish kernel: the sums stay in the workspace
-            CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
-            return workspace.narrow(0, 0, m * out).view({m, out});
+            a.in_part = prepared[3].data_ptr<float>();
+            a.in_eps = (float)eps;
         }
         a.y = hptr_mut(y);
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
@@ -397,40 +383,6 @@ torch::Tensor exl3_reconstruct(torch::Tensor trellis, int64_t codebook) {
 
 // Blockwise 128-point Hadamard over the last dim (normalized), with optional fp16 pre-scale
 // (fp16 input only), post-scale and bias. Output fp16.
-// The output transform of a product's open sums z [rows, out] (rows 1..4) into y [rows, out] fp16,
-// as the product's finish kernel would have written it: with part [rows, in / 128] (a normed-chain
-// input's sums of squares) scaled by the input's 1 / rms (eps). z is left zero. For q/k/v sums the
-// decode attention kernel did not take (DecodeAttnArgs::sums_z).
-void finish_sums(torch::Tensor z, torch::Tensor y, torch::Tensor svh, c10::optional<torch::Tensor> bias,
-                 c10::optional<torch::Tensor> part, double eps) {
-    TORCH_CHECK(y.is_cuda() && y.scalar_type() == torch::kHalf && y.dim() == 2 && y.is_contiguous() &&
-                    y.size(0) >= 1 && y.size(0) <= 4 && y.size(1) % 128 == 0,
-                "finish_sums: y must be a contiguous fp16 CUDA matrix of 1..4 rows and a multiple of 128 columns");
-    const int64_t rows = y.size(0), out = y.size(1);
-    check_f32(z, rows * out, "finish_sums: z");
-    check_half_vec(svh, out, "finish_sums: svh");
-    check_half_vec(bias, out, "finish_sums: bias");
-    const c10::cuda::CUDAGuard guard(y.device());
-    trellis::MmArgs a;
-    a.z = z.data_ptr<float>();
-    a.y = hptr_mut(y);
-    a.ldy = (int)out;
-    a.svh = hptr(svh);
-    a.bias = opt_hptr(bias);
-    a.m = (int)rows;
-    a.out = (int)out;
-    if (part.has_value()) {
-        TORCH_CHECK(part->dim() == 2 && part->size(0) == rows && part->size(1) > 0, "finish_sums: part must be [rows, in / 128]");
-        check_f32(*part, part->numel(), "finish_sums: part");
-        a.in_part = part->data_ptr<float>();
-        a.in = (int)(part->size(1) * 128);
-        a.in_eps = (float)eps;
-    }
-    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    a.pdl = trellis::pdl_setting() && props->major >= 9;
-    CHECK_CUDA_OK(trellis::finish_open_sums(a, at::cuda::getCurrentCUDAStream()));
-}
-
 torch::Tensor had128(torch::Tensor x, c10::optional<torch::Tensor> pre,
                      c10::optional<torch::Tensor> post, c10::optional<torch::Tensor> bias) {
     TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "had128: x must be a contiguous CUDA tensor");
@@ -721,8 +673,7 @@ bool decode_attention_chain_serves(torch::Tensor k, torch::Tensor v) {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                c10::optional<torch::Tensor> mask, double scale, double softcap, torch::Tensor counters,
                                std::vector<torch::Tensor> next, std::vector<torch::Tensor> rope,
-                               double head_norm_eps, int64_t window, std::vector<torch::Tensor> sums,
-                               double sums_eps) {
+                               double head_norm_eps, int64_t window) {
     for (const auto* t : {&q, &k, &v})
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kHalf && t->dim() == 4 && t->stride(3) == 1,
                     "decode_attention: q, k, v must be 4-d fp16 CUDA tensors, last dim contiguous");
@@ -815,40 +766,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
             a.head_norm_eps = (float)head_norm_eps;
         }
     }
-    if (!sums.empty()) {
-        // [z, y0, svh, bias, part] (bias, part: empty for none): q, new_k and new_v are views of the
-        // stand-in y0 [rows, ld]; the kernel finishes their rows from the sums z (DecodeAttnArgs::sums_z).
-        TORCH_CHECK(sums.size() == 5 && !rope.empty() && D == 128,
-                    "decode_attention: q/k/v sums are [z, y0, svh, bias, part], with the step's RoPE, at head dim 128");
-        const auto &z = sums[0], &y0 = sums[1], &sv = sums[2], &bs = sums[3], &part = sums[4];
-        TORCH_CHECK(y0.is_cuda() && y0.scalar_type() == torch::kHalf && y0.dim() == 2 && y0.is_contiguous() &&
-                        y0.size(1) % 128 == 0 && y0.device() == q.device(),
-                    "decode_attention: the sums' stand-in must be a contiguous fp16 [rows, multiple of 128] on q's device");
-        const int64_t ld = y0.size(1);
-        check_f32(z, y0.numel(), "decode_attention: q/k/v sums");
-        check_half_vec(sv, ld, "decode_attention: q/k/v svh");
-        if (bs.numel()) check_half_vec(bs, ld, "decode_attention: q/k/v bias");
-        if (part.numel()) {
-            TORCH_CHECK(part.dim() == 2 && part.size(0) == y0.size(0) && part.size(1) > 0, "decode_attention: part must be [rows, in / 128]");
-            check_f32(part, part.numel(), "decode_attention: part");
-        }
-        const auto* base = reinterpret_cast<const at::Half*>(y0.data_ptr());
-        auto inside = [&](const torch::Tensor& t, int64_t heads) {  // every head row a 128-block of y0
-            const int64_t off = reinterpret_cast<const at::Half*>(t.data_ptr()) - base;
-            const int64_t last = off + (B - 1) * t.stride(0) + (heads - 1) * t.stride(1) + D;
-            return off >= 0 && off % 128 == 0 && t.stride(0) % 128 == 0 && t.stride(1) % 128 == 0 && last <= y0.numel();
-        };
-        TORCH_CHECK(inside(q, H) && inside(rope[0].squeeze(1), Hkv) && inside(rope[1].squeeze(1), Hkv),
-                    "decode_attention: with q/k/v sums, q, new_k and new_v must be head rows of the stand-in");
-        a.sums_z = z.data_ptr<float>();
-        a.sums_y0 = hptr(y0);
-        a.sums_ld = (long)ld;
-        a.sums_svh = hptr(sv);
-        a.sums_bias = bs.numel() ? hptr(bs) : nullptr;
-        a.sums_part = part.numel() ? part.data_ptr<float>() : nullptr;
-        a.sums_in = part.numel() ? (int)(part.size(1) * 128) : 0;
-        a.sums_eps = (float)sums_eps;
-    }
     CHECK_CUDA_OK(trellis::decode_attention(a, at::cuda::getCurrentCUDAStream()));
     return out;
 }
@@ -924,8 +841,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("split_finish_setting", &trellis::gemv_split_finish_setting, "the split-finish setting in force (set_gemv_split_finish)");
     m.def("set_finish_early_reads", &trellis::set_finish_early_reads,
           "the decode chains' finish kernel reads the input's row sums and the residual before its PDL wait (default) or after it");
-    m.def("set_finish_late_trigger", &trellis::set_finish_late_trigger,
-          "the decode chains' finish kernel lets the next product launch at its end instead of after its PDL wait");
     m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,
           "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,
@@ -961,7 +876,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_prep_skip", &trellis::set_prep_skip, "timing probe: the activation prep launches nothing (wrong results)");
     m.def("exl3_reconstruct", &exl3_reconstruct, "dense inner weight What");
     m.def("had128", &had128, "blockwise 128-point Hadamard with scales");
-    m.def("finish_sums", &finish_sums, "a product's open sums through its output transform (q/k/v attention did not take)");
     m.def("set_had_tiles", &trellis::set_had_tiles, "fp16 Hadamards in 64-row tiles (default) or a warp per block");
     m.def("set_had_pipeline", &trellis::set_had_pipeline, "the plain and gated tile Hadamards looping with the next loads in flight (default) or one tile per block");
     m.def("gated_had128", &gated_had128, "had128(act(gate) * up, pre): a gated MLP's down projection input at prefill",

@@ -105,27 +105,6 @@ __device__ __forceinline__ typename HalfRow<DL>::T head_rms_norm(typename HalfRo
     return y;
 }
 
-// One head row of q, new_k or new_v (DL halves per lane at p): loaded, or, with q/k/v sums
-// (DecodeAttnArgs::sums_z; head dim 128 only, so a row is one 128-block of the product's output and
-// lane l holds its values 4l..4l+3, as in the product's output transform), finished from the sums
-// here, the weights' loads independent of the sums' so that all three share one round trip.
-// `scale`: 1 / sqrt(128), times the input's 1 / rms with sums_part.
-template <int DL>
-__device__ __forceinline__ typename HalfRow<DL>::T head_row(const DecodeAttnArgs& a, const half* p, float scale) {
-    if constexpr (DL == 4) {
-        if (a.sums_z) {
-            const long off = p - a.sums_y0;
-            const long col = off % a.sums_ld;
-            const float4 f = __ldcg(reinterpret_cast<const float4*>(a.sums_z + off));
-            const uint2 sv = __ldg(reinterpret_cast<const uint2*>(a.sums_svh + col));
-            const uint2 bv = a.sums_bias ? __ldg(reinterpret_cast<const uint2*>(a.sums_bias + col)) : make_uint2(0u, 0u);
-            float v[4] = {f.x, f.y, f.z, f.w};
-            return finish_lane4(v, threadIdx.x & 31, scale, sv, bv, a.sums_bias != nullptr);
-        }
-    }
-    return load_row<DL>(p);
-}
-
 // Blocks per SM: the tensor-core walk's ring takes most of an SM's shared memory, so one; the
 // scalar walk two, which caps it at 128 registers (at head dim 256 ptxas would otherwise take 172
 // and one block per SM: 17% slower at 32,768 slots, csrc/PERF_NOTES.md session 19).
@@ -170,9 +149,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     const half* kp = a.k + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* vp = a.v + (size_t)b * a.kv_b + (size_t)kvh * a.kv_h + lane * DL;
     const half* mrow = a.mask ? a.mask + (size_t)b * a.mask_b : nullptr;
-    float sums_scale = kHadNorm;  // q/k/v sums: the output transform's scale (head_row)
     auto q_at = [&](int h) {  // this lane's halves of the group's query head h
-        return head_row<DL>(a, a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL, sums_scale);
+        return load_row<DL>(a.q + (size_t)b * a.q_b + (size_t)(kvh * a.G + g0 + h) * a.q_h + lane * DL);
     };
 
     // Chain into o_proj: the input signs of the head this warp merges (warps 0..3), a weight, so
@@ -204,16 +182,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         qn = load_row<DL>(a.q_norm + lane * DL);
         kn = load_row<DL>(a.k_norm + lane * DL);
     }
-    // q/k/v sums from a normed-chain input: its 1 / rms, from row sums that the kernel before the
-    // q/k/v product wrote, so complete once that product passed its wait, which it does before it
-    // lets this grid launch (unless it triggers early, mode 1: then after this grid's wait).
-    auto sums_rms = [&] {
-        if (DL == 4 && a.sums_z && a.sums_part)
-            sums_scale *= chain_input_inv_rms<true>(a.sums_part + (size_t)b * (a.sums_in >> 7), a.sums_in, a.sums_eps, lane);
-    };
-    if (!a.early_trigger) sums_rms();
     pdl_wait_primary();  // q, the cache and the mask come from the kernels before this one
-    if (a.early_trigger) sums_rms();
     Row rc{}, rs{};
     long p = -1;  // this step's slot, when the RoPE is ours
     Row qraw[kAttnHeads];  // MMA: the query rows, loaded with the RoPE's inputs
@@ -229,10 +198,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
         if (p >= s0 && p < s1) {  // block-uniform
             if (warp == 0) {
                 const size_t at = (size_t)b * a.nk_b + (size_t)kvh * a.nk_h + lane * DL;
-                Row kraw = head_row<DL>(a, a.new_k + at, sums_scale);
+                Row kraw = load_row<DL>(a.new_k + at);
                 if constexpr (QKN) kraw = head_rms_norm<DL>(kraw, kn, a.head_norm_eps);
                 const Row kr = rope_row<DL>(kraw, rc, rs, lane);
-                const Row vr = head_row<DL>(a, a.new_v + at, sums_scale);
+                const Row vr = load_row<DL>(a.new_v + at);
                 // the cache this kernel reads: one pointer for both (blocks of other head groups
                 // of this kv head write the same bits)
                 *reinterpret_cast<Row*>(const_cast<half*>(kp) + (size_t)p * a.kv_t) = kr;

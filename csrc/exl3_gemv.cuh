@@ -162,6 +162,19 @@ __device__ __forceinline__ void gv_finish_row(float4 f, float scale, half* __res
     *reinterpret_cast<uint2*>(yr) = finish_lane4(v, lane, scale, sv, bv, has_bias);
 }
 
+// The 1 / rms a product whose input came from a normed chain (MmArgs::in_part) applies to its output
+// row: the sums of squares of the input's in / 128 blocks (part), as lanes' strided shares then a
+// butterfly, so every finisher of the row gets the same bits. CG: L2 loads (ld.global.cg), which
+// ptxas keeps ahead of a PDL wait (gv_finish_chain_kernel).
+template <bool CG = false>
+__device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ part, int in, float eps, int lane) {
+    float t = 0.f;
+    for (int c = lane; c < (in >> 7); c += 32) t += CG ? __ldcg(part + c) : part[c];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return rsqrtf(t / in + eps);
+}
+
 // The output transform of one finished 128-column block (see finish_block in the kernel), a row
 // at a time. Not inlined: it runs about once per warp, and inlined its registers would crowd the
 // main loop. ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms
@@ -269,15 +282,14 @@ constexpr int kGvFinishTasks = 2;
 // the wait these were one dependent round trip more (the row sums, then the workspace; the
 // workspace, then the residual).
 // MR: 2..4 rows (ldy apart in y, out apart in the workspace; the chain's row r at r, the input's
-// row sums in_part + r * in / 128), a warp per (row, task); TRELLIS_CHAIN_ROWS, not yet run on a
-// GPU. Without it, one row (the code session 30's GPU runs took; the build allocates its registers
-// a little differently since MR).
+// row sums in_part + r * in / 128), a warp per (row, task); TRELLIS_CHAIN_ROWS (4 by default since
+// session 31). Without it, one row.
 template <int NEXT, bool MR = false>
 __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict__ z, half* __restrict__ y,
                                                                const half* __restrict__ svh,
                                                                const half* __restrict__ bias, int out, int in,
                                                                const __grid_constant__ GvChain ch, bool early_reads,
-                                                               int ldy, int rows, bool late_trigger) {
+                                                               int ldy, int rows) {
     constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
     const int lane = threadIdx.x & 31;
     const int tasks = NEXT == 2 ? ch.next.n >> 7 : out >> 7;  // gated: blocks j and j + n / 128 (chain_block)
@@ -309,7 +321,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     };
     if (early_reads) read_earlier();
     pdl_wait_primary();
-    if (!late_trigger) pdl_launch_dependents();  // late: at the grid's end (finish_late_trigger)
+    pdl_launch_dependents();
     if (!early_reads) read_earlier();
     float4 f[NB];
 #pragma unroll
@@ -336,8 +348,7 @@ inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) 
                         : a.next.mode == 2 ? (mr ? gv_finish_chain_kernel<2, true> : gv_finish_chain_kernel<2>)
                                            : (mr ? gv_finish_chain_kernel<0, true> : gv_finish_chain_kernel<0>);
     return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
-                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m,
-                      a.next.mode != 0 && finish_late_trigger());
+                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m);
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);

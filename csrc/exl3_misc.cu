@@ -195,7 +195,6 @@ void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
 bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_split_finish(int mode) { gemv_split_finish() = mode >= 0 && mode <= 5 ? mode : 5; }
 void set_finish_early_reads(bool enabled) { finish_early_reads() = enabled; }
-void set_finish_late_trigger(bool enabled) { finish_late_trigger() = enabled; }
 int gemv_split_finish_setting() { return gemv_split_finish(); }
 void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
@@ -708,12 +707,6 @@ cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* 
     had128_kernel<<<had_blocks(rows, n), 256, 0, stream>>>(HadRows<float>{in, ld_in, nullptr, zero_input}, out,
                                                            ld_out, post, bias, rows, n);
     return cudaGetLastError();
-}
-
-cudaError_t finish_open_sums(MmArgs a, cudaStream_t stream) {
-    if (a.m < 1 || a.m > 4 || a.out % 128 || !a.z || !a.y || !a.svh || a.next.mode) return cudaErrorInvalidValue;
-    a.early_trigger = 1;  // no early reads: whatever kernel comes before, its row sums are read after the wait
-    return launch_gv_finish(a, stream);
 }
 
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,

@@ -109,20 +109,6 @@ __device__ __forceinline__ uint2 finish_lane4(float v[4], int lane, float scale,
     return make_uint2(as_u32(o0), as_u32(o1));
 }
 
-// The 1 / rms a product whose input came from a normed chain (MmArgs::in_part) applies to its output
-// row: the sums of squares of the input's in / 128 blocks (part), as lanes' strided shares then a
-// butterfly, so every finisher of the row gets the same bits. CG: L2 loads (ld.global.cg), which
-// ptxas keeps ahead of a PDL wait (gv_finish_chain_kernel). Also the decode attention kernel's, for q/k/v
-// sums (DecodeAttnArgs::sums_part).
-template <bool CG = false>
-__device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ part, int in, float eps, int lane) {
-    float t = 0.f;
-    for (int c = lane; c < (in >> 7); c += 32) t += CG ? __ldcg(part + c) : part[c];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return rsqrtf(t / in + eps);
-}
-
 // Timing probes (0 = normal): 1 skips the decode, 2 skips the MMAs. Set from Python for the
 // "which stage limits" measurements of bench.linear; never used for real work.
 inline int& mm_debug_variant() {
@@ -194,15 +180,6 @@ inline int& gemv_split_finish() {
 // off for a same-run baseline).
 inline bool& finish_early_reads() {
     static bool v = true;
-    return v;
-}
-
-// Whether gv_finish_chain_kernel, where it writes a chain output, lets the next product launch
-// only when it completes instead of right after its PDL wait (set_finish_late_trigger; default
-// off). Launched early, that product's trellis prefetch overlaps this kernel's work, and may slow
-// it: a benchmark setting to tell which.
-inline bool& finish_late_trigger() {
-    static bool v = false;
     return v;
 }
 

@@ -170,11 +170,6 @@ cudaError_t exl3_mm_partial(const MmArgs& args, cudaStream_t stream);
 // y[rows, n] = fp16(fp16(had128(in) / sqrt(128)) * post) + bias, where `in` is fp32 (z of the
 // product) or fp16 (optionally scaled first by `pre` with an fp16 multiply). pre/post/bias may be
 // null. zero_input: write zeros back over `in` (fp32 only) so a workspace stays zeroed.
-// The output transform of a product's open sums (MmArgs z, y, ldy, svh, bias, m <= 4, out; in_part,
-// in_eps, in for a normed-chain input's 1 / rms) in the kernel its finish would have run
-// (gv_finish_chain_kernel with in_part, else gv_finish_kernel): the same bits; z is left zero.
-// For q/k/v sums that the decode attention kernel did not take.
-cudaError_t finish_open_sums(MmArgs a, cudaStream_t stream);
 cudaError_t had128_f32(float* in, int ld_in, half* out, int ld_out, const half* post,
                        const half* bias, int rows, int n, bool zero_input, cudaStream_t stream);
 cudaError_t had128_f16(const half* in, int ld_in, half* out, int ld_out, const half* pre,
@@ -235,9 +230,6 @@ int gemv_split_finish_setting();  // the setting in force (decode chains of 2..4
 // Whether that chain finish kernel reads its inputs from earlier kernels before its PDL wait
 // (default on; exl3_mm.cuh, finish_early_reads).
 void set_finish_early_reads(bool enabled);
-// Whether that kernel, where it writes a chain output, lets the next product launch only at its
-// end (default off; exl3_mm.cuh, finish_late_trigger).
-void set_finish_late_trigger(bool enabled);
 // How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before
 // session 28 (about 8 column groups per block), a benchmark baseline.
@@ -404,21 +396,6 @@ struct DecodeAttnArgs {
     // hides the slots past pos while the window has not filled); n_split counts splits of
     // min(S, window) slots. 0: the whole span.
     int window = 0;
-    // q/k/v as the grouped q/k/v product's split-k sums (head dim 128, with pos): q, new_k and
-    // new_v then point into sums_y0, a stand-in fp16 [B, sums_ld] this kernel never touches, and
-    // the row at p is the output transform (finish_lane4) of sums_z + (p - sums_y0) with svh, bias
-    // of column (p - sums_y0) % sums_ld, scaled by the 1 / rms of the product's normed-chain input
-    // where sums_part ([B, sums_in / 128] sums of squares, sums_eps; MmArgs::in_part): the bits
-    // gv_finish_chain_kernel would have written, without that kernel. o_proj's product zeroes the
-    // sums (MmArgs::zero_after). Null: q, new_k and new_v are the rows themselves.
-    const float* sums_z = nullptr;
-    const half* sums_y0 = nullptr;
-    long sums_ld = 0;
-    const half* sums_svh = nullptr;
-    const half* sums_bias = nullptr;
-    const float* sums_part = nullptr;
-    int sums_in = 0;
-    float sums_eps = 0.f;
 };
 // mma_keys: the tensor-core key walk serves the call with steps of this many keys
 // (decode_attention_mma_keys), one block per SM; 0: the scalar walk.

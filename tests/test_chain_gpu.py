@@ -308,7 +308,6 @@ def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkey
     monkeypatch.setattr(chain, "chain_into_group", counted("normed", real_normed))
     monkeypatch.setattr(ops, "gated_chain", counted("gated", real_gated))
     monkeypatch.setattr(ops, "attention_into_chain", counted("attention", real_attn))
-    monkeypatch.setattr(ops, "open_qkv", counted("normed", ops.open_qkv))  # down -> q/k/v left as sums
     runs = {}
     on = chain.parse_setting(links)
     for setting in (on, frozenset()):

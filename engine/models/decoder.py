@@ -64,24 +64,14 @@ class Attention(nn.Module):
     def forward(self, x: "torch.Tensor | ops.PendingNorm", cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        sums = None
         if self.qkv is not None:
-            opened = ops.open_qkv(x, self.qkv.group, self.qkv.out_features) if self._may_leave_sums(T, cache) else None
-            if opened is not None:
-                (q, k, v), sums = opened  # views of the sums' stand-in (ops.AttentionSums)
-            else:
-                q, k, v = self.qkv(x)  # a pending input norm is computed by the grouped product's prep
+            q, k, v = self.qkv(x)  # a pending input norm is computed by the grouped product's prep
         else:
             x = ops.as_tensor(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if sums is not None:
-            chained = self._attention_on_sums(q, k, v, cos, sin, mask, cache, sums)
-            if chained is not None:
-                return chained
-            sums.finish()  # q, k and v now hold the projections
         rope = None
         if T == 1 and isinstance(cache, StaticKVCache):  # a decode step
             norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
@@ -110,25 +100,6 @@ class Attention(nn.Module):
         if self.defer_output and hasattr(self.o_proj, "deferred"):
             return self.o_proj.deferred(out)
         return self.o_proj(out)
-
-
-    def _may_leave_sums(self, T: int, cache: KVCache | None) -> bool:
-        """Whether this step's q/k/v product may leave its output as sums for the attention kernel
-        (ops.open_qkv): a decode step whose attention chains into o_proj, at head dim 128."""
-        return (T == 1 and isinstance(cache, StaticKVCache) and self.defer_output and self.head_dim == 128
-                and getattr(self.o_proj, "compressed", False))
-
-    def _attention_on_sums(self, q, k, v, cos, sin, mask, cache, sums: "ops.AttentionSums") -> "ops.Deferred | None":
-        """The decode step's attention reading q/k/v sums (its kernel finishes them, does the
-        norms, RoPE and cache write, and writes o_proj's input): the Deferred o_proj, or None where
-        the kernel does not serve (nothing launched; the caller finishes the sums)."""
-        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)
-        rope = cache.pending_rope(self.layer, q, k, v, cos, sin, norms, self.window)
-        if not rope.serves(mask):
-            return None
-        chained = ops.attention_into_chain(rope.q, rope.keys, rope.values, mask, self.scale, self.o_proj.exl3,
-                                           self.o_proj.out_features, rope, self.softcap, sums)
-        return None if chained is None else chained[1]
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,7 @@ from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
 from engine.ops import dense_mlp as _dense_mlp
 from engine.ops import open_sums as _open
-from engine.ops.chain import AttentionSums, ChainOut, Deferred, PreparedInput
+from engine.ops.chain import ChainOut, Deferred, PreparedInput
 from engine.ops.open_sums import OpenSums
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
@@ -68,10 +68,6 @@ GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "5") or 5)
 # away (csrc/exl3_gemv.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
 # it, as first written (a same-run baseline).
 FINISH_EARLY_READS = os.environ.get("TRELLIS_FINISH_EARLY_READS", "1") != "0"
-# TRELLIS_FINISH_LATE_TRIGGER=1: that kernel, where it writes a chain output, lets the next product
-# launch at its end instead of right after its PDL wait (so the product's trellis prefetch does
-# not run beside it). Off by default.
-FINISH_LATE_TRIGGER = os.environ.get("TRELLIS_FINISH_LATE_TRIGGER", "0") == "1"
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
@@ -91,16 +87,9 @@ CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "1" if GV_SPLIT_FIN
 # Decode steps of how many rows chain (batch decode, speculative decoding's checks): up to 4
 # (TRELLIS_CHAIN_ROWS, default 4; 1 for one row only), the integer path's one group; beyond one
 # row only where the finish kernel writes the links (split finish 5), and not the attention link
-# (one sequence). Batch 2 / 4 decode of Llama-3.1-8B shapes 2-8% / 3-5% faster than one-row
-# chains (H100, session 31).
+# (one sequence). Batch 2 / 4 decode of Llama-3.1-8B shapes ran 2-8% / 2-5% faster than with
+# one-row chains only (H100 and H200, session 31).
 CHAIN_ROWS = max(1, min(4, int(os.environ.get("TRELLIS_CHAIN_ROWS", "4") or 4)))
-# TRELLIS_ATTN_QKV_SUMS=1: a decode step's q/k/v product, whose input a normed chain writes,
-# leaves its output as split-k sums, and the attention kernel applies the output transform to the
-# rows it reads (chain.py, AttentionSums): no finish kernel between the q/k/v product and
-# attention, one kernel a layer fewer. One sequence, head dim 128, where attention chains into
-# o_proj. Off by default: on the H200 it decoded Llama-3.1-8B and Qwen3-8B shapes 1% slower than
-# the finish kernel writing q, k and v (session 31, csrc/PERF_NOTES.md).
-ATTN_QKV_SUMS = os.environ.get("TRELLIS_ATTN_QKV_SUMS", "0") == "1"
 
 # From how many k-row quads per resident warp a one-group product takes four k rows per unit
 # (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
@@ -232,7 +221,6 @@ def extension():
         _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
-        _ext.set_finish_late_trigger(FINISH_LATE_TRIGGER)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
         _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
@@ -459,16 +447,13 @@ def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None,
-                     rope: PendingRope | None = None, softcap: float | None = None,
-                     sums: "_chain.AttentionSums | None" = None) -> torch.Tensor | None:
+                     rope: PendingRope | None = None, softcap: float | None = None) -> torch.Tensor | None:
     """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
     (grouped heads read in place), mask additive [1 or B, S] or None. With `rope` (whose q, keys
     and values these are, rope.serves(mask) checked) the kernel first rotates q and writes the
     token's k and v into the cache. `softcap` (Gemma 2): each score s becomes
-    softcap * tanh(s / softcap) before the mask. `sums` (with rope, head dim 128): q and the
-    token's k and v are views of its stand-in, and the kernel finishes them from the q/k/v
-    product's sums. None when the kernel does not take these tensors; the caller then runs its
-    own path (models/layers.attention)."""
+    softcap * tanh(s / softcap) before the mask. None when the kernel does not take these tensors;
+    the caller then runs its own path (models/layers.attention)."""
     if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
         raise ValueError(f"decode_attention: softcap must be a positive finite number, not {softcap}")
     if rope is not None:
@@ -481,12 +466,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
     nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
     window = rope.window if rope is not None and ATTN_WINDOW and rope.window else 0
-    if sums is not None and rope is None:
-        raise ValueError("decode_attention: q/k/v sums go with the step's pending RoPE")
     return extension().decode_attention(q, k, v, mask, float(scale), float(softcap or 0.0), counters, nxt,
                                         [] if rope is None else rope.tensors(),
-                                        0.0 if rope is None else rope.norm_eps(), int(window),
-                                        [] if sums is None else sums.kernel_args(), 0.0 if sums is None else sums.eps)
+                                        0.0 if rope is None else rope.norm_eps(), int(window))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1034,13 +1016,11 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 defer_linear = _chain.defer_linear
 gated_chain = _chain.gated_chain
 attention_into_chain = _chain.attention_into_chain
-open_qkv = _chain.open_qkv
 dense_gated_mlp = _dense_mlp.dense_gated_mlp
 
 __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
-    "can_group", "defer_linear", "gated_chain", "attention_into_chain", "open_qkv", "AttentionSums",
-    "dense_gated_mlp", "Deferred",
+    "can_group", "defer_linear", "gated_chain", "attention_into_chain", "dense_gated_mlp", "Deferred",
     "exl3_reconstruct",
     "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope",
     "hadamard128", "rms_norm", "add_rms_norm",

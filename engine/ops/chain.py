@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import ops  # a cycle (ops imports this module first): used at call time only
-from engine.ops import open_sums as _open
 from engine.ops.groups import is_gate_up
 from engine.ops.settings import parse_kinds
 
@@ -118,8 +117,6 @@ class Deferred:
     dtype: torch.dtype
     lead: tuple[int, ...]
     result: torch.Tensor | None = None
-    # q/k/v sums the attention kernel read before this product (o_proj), which zeroes them
-    zero_after: "AttentionSums | None" = None
 
     @property
     def shape(self) -> torch.Size:
@@ -141,7 +138,7 @@ class Deferred:
         """Run the product (its output stage writing `chain` too) and return its output."""
         if self.result is not None:
             raise RuntimeError("a deferred product runs once")
-        y = exl3_gemm_chained(self.x, self.t, chain, self.zero_after)
+        y = exl3_gemm_chained(self.x, self.t, chain)
         if y.shape[-1] != self.out_features:
             y = y[..., :self.out_features]
         self.result = y.to(self.dtype).reshape(self.shape)
@@ -151,41 +148,6 @@ class Deferred:
         return self.result if self.result is not None else self.launch(None)
 
 
-@dataclass(eq=False)
-class AttentionSums:
-    """A decode step's q/k/v product output left as its split-k sums (`region`: z [rows, out],
-    svh, bias) for the decode attention kernel, which applies the output transform to the rows it
-    reads (csrc/kernels.h, DecodeAttnArgs::sums_z): no finish kernel between the two. q, k and v
-    are views of `stand_in` (fp16 [rows, out]), by which the kernel finds their sums; nothing
-    writes it unless finish() runs. `part`, `eps`: the product's normed-chain input still lacks
-    the norm's 1 / rms, which whoever finishes the sums applies. The sums are read once: by the
-    attention kernel, after which o_proj's product zeroes them (Deferred.zero_after), or by
-    finish()."""
-
-    region: _open.Region
-    stand_in: torch.Tensor
-    part: torch.Tensor | None
-    eps: float
-
-    def kernel_args(self) -> list[torch.Tensor]:
-        """decode_attention's sums: [z, stand-in, svh, bias, part] (empty tensors for none)."""
-        r, none = self.region, self.stand_in.new_empty(0)
-        return [r.z, self.stand_in, r.svh, none if r.bias is None else r.bias, none if self.part is None else self.part]
-
-    def finish(self) -> None:
-        """Write q, k and v (the stand-in) as the product's finish kernel would have, z left zero:
-        for a step whose attention does not take the sums."""
-        r = self.region
-        r.mark_read()
-        ops.extension().finish_sums(r.z, self.stand_in, r.svh, r.bias, self.part, self.eps)
-
-    def take_for_zeroing(self) -> torch.Tensor:
-        """The region o_proj's product zeroes after its wait (MmArgs::zero_after), marked read."""
-        r = self.region
-        r.mark_read()
-        return r.buffer[:r.z.numel()]
-
-
 # ------------------------------------------------------------------------------------------
 # Launching chains (engine.ops re-exports defer_linear, gated_chain, attention_into_chain; its
 # exl3_gemm_group calls chain_into_group for a PendingNorm over a Deferred product)
@@ -193,57 +155,43 @@ class AttentionSums:
 
 def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          scale: float, o, out_features: int, rope: "ops.PendingRope | None" = None,
-                         softcap: float | None = None,
-                         sums: AttentionSums | None = None) -> "tuple[torch.Tensor, Deferred] | None":
+                         softcap: float | None = None) -> "tuple[torch.Tensor, Deferred] | None":
     """One decode step's attention (ops.decode_attention, with the step's RoPE where `rope`) whose
     kernel also writes o_proj's int8 input, and o_proj on it as a Deferred: no prep kernel for
     o_proj. q [1, H, 1, D]: D = 128, or 256 (Gemma) with ops.ATTN_CHAIN_D256 where the tensor-core
-    walk takes it (the extension's decode_attention_chain_serves; ops.ATTN_MMA_D256). `sums`
-    (AttentionSums, with rope, D = 128): q and the token's k and v are still the q/k/v product's
-    sums, which the kernel finishes, and o_proj's product zeroes. None where the chain does not
-    serve (the caller runs the plain path, finishing the sums first)."""
+    walk takes it (the extension's decode_attention_chain_serves; ops.ATTN_MMA_D256). None where
+    the chain does not serve (the caller runs the plain path)."""
     B, H, T, D = q.shape
     n = H * D
-    if sums is not None and (rope is None or D != 128):
-        return None
     if not (B == 1 and T == 1 and D in (128, 256) and _takes_prepared(o, n, q.device, "attn")
             and ops._decode_attention_serves(q, k, v, mask)
             and (D == 128 or (ops.ATTN_CHAIN_D256 and ops.extension().decode_attention_chain_serves(k, v)))):
         return None
     target = PreparedInput.empty(1, n, q.device)
-    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope, softcap, sums)
-    return out, Deferred(target, o, out_features, q.dtype, (B, T), zero_after=sums)
+    out = ops.decode_attention(q, k, v, mask, scale, (target, o.suh), rope, softcap)
+    return out, Deferred(target, o, out_features, q.dtype, (B, T))
 
 
-def exl3_gemm_chained(x: "torch.Tensor | PreparedInput", t, chain: ChainOut | None,
-                      zero: AttentionSums | None = None) -> torch.Tensor:
+def exl3_gemm_chained(x: "torch.Tensor | PreparedInput", t, chain: ChainOut | None) -> torch.Tensor:
     """ops.exl3_gemm of a decode step's 1..4 rows where x may be a PreparedInput (the previous
     product's output stage wrote it) and the output stage may write `chain` for the next product.
-    `zero`: q/k/v sums the attention kernel before read (x prepared), which the product zeroes.
     [rows, out_padded]."""
     if not isinstance(x, PreparedInput):
-        if zero is not None:
-            raise ValueError("q/k/v sums are zeroed by a product on the attention kernel's prepared input")
         return ops.exl3_gemm(x.reshape(-1, x.shape[-1]), t, mode="fused", chain=chain)
-    return _product_on_prepared(t, ops._padded_bias(t, t.trellis.shape[1] * 16), [], x, chain, zero)
+    return _product_on_prepared(t, ops._padded_bias(t, t.trellis.shape[1] * 16), [], x, chain)
 
 
 def _product_on_prepared(t, bias: torch.Tensor | None, seg_cols: list[int], x: PreparedInput,
-                         chain: ChainOut | None, zero: AttentionSums | None = None,
-                         open_out: bool = False) -> torch.Tensor:
+                         chain: ChainOut | None) -> torch.Tensor:
     """The fused product of t (EXL3Tensors, or an EXL3Group with its seg_cols) on a PreparedInput
-    of 1..4 rows, its output stage writing `chain` too. [rows, out_padded]. `zero`: sums this
-    product zeroes after its wait (not the workspace it adds into). open_out: no output stage,
-    the [rows, out_padded] fp32 sums (a view of a pooled workspace) instead."""
+    of 1..4 rows, its output stage writing `chain` too. [rows, out_padded]."""
     in_f, out_f = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16
     device = t.trellis.device
     stand_in = torch.empty(x.rows, in_f, dtype=torch.float16, device=device)  # gives m; never read
-    ws = ops.workspace(device, x.rows * out_f, None if zero is None else zero.region.buffer)
-    zero_region = None if zero is None else zero.take_for_zeroing()
-    counters = None if open_out else ops.block_counters(device, out_f // 128)
+    ws = ops.workspace(device, x.rows * out_f)
     return ops.extension().exl3_gemm(stand_in, t.suh, t.svh, t.trellis, bias, ops.CODEBOOK_IDS[t.codebook], ws, 0, 1,
-                                     3, counters, seg_cols, None, 0, None, x.eps, None, None, x.tensors(),
-                                     *ops._chain_args(chain), [], zero_region, open_out)
+                                     3, ops.block_counters(device, out_f // 128), seg_cols, None, 0, None, x.eps, None,
+                                     None, x.tensors(), *ops._chain_args(chain), [], None, False)
 
 
 def _chains_on(link: str) -> bool:
@@ -322,36 +270,6 @@ def gated_chain(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group, down, act
 def chain_into_group(p: "ops.PendingNorm", g: ops.EXL3Group, chain: ChainOut | None) -> torch.Tensor | None:
     """The group's product on rms_norm(d + residual) where d = p.x is a Deferred product: d's
     output stage writes the group's input, so no prep runs. None where the chain does not serve."""
-    target = _launch_normed_into(p, g)
-    return None if target is None else _product_on_prepared(g, g.bias, g.seg_cols, target, chain)
-
-
-def open_qkv(x: "torch.Tensor | ops.PendingNorm", g: ops.EXL3Group,
-             out_features: list[int]) -> "tuple[list[torch.Tensor], AttentionSums] | None":
-    """A decode step's q/k/v product (one row, its input written by a normed chain: x a
-    PendingNorm over a Deferred product) with its output left as sums for the attention kernel
-    (AttentionSums): ([q, k, v] as views of the sums' stand-in, the sums). None where that does
-    not serve (ops.ATTN_QKV_SUMS off, another input, trimmed outputs); nothing is launched then."""
-    if not (ops.ATTN_QKV_SUMS and _chains_on("attn") and isinstance(x, ops.PendingNorm) and isinstance(x.x, Deferred) and x.pre_weight is None
-            and x.shape[:-1].numel() == 1 and len(g.bounds) == len(out_features)
-            and all(b - a == n for (a, b), n in zip(g.bounds, out_features))):
-        return None
-    lead = tuple(x.shape[:-1])
-    target = _launch_normed_into(x, g)
-    if target is None:
-        return None
-    z = _product_on_prepared(g, None, g.seg_cols, target, None, open_out=True)
-    out_f = z.shape[-1]
-    region = _open.Region(z, g.svh, g.bias, z.reshape(-1))  # the pool knows a buffer by its data_ptr
-    stand_in = torch.empty(1, out_f, dtype=torch.float16, device=z.device)
-    views = stand_in.reshape(*lead, out_f)
-    return [views[..., a:b] for a, b in g.bounds], AttentionSums(region, stand_in, target.part, target.eps)
-
-
-def _launch_normed_into(p: "ops.PendingNorm", g: ops.EXL3Group) -> PreparedInput | None:
-    """Launch p.x (a Deferred product) with its output stage writing the group's input,
-    rms_norm(p.x + residual) (p.sum becomes the residual stream): that input, or None where the
-    chain does not serve (nothing launched)."""
     d: Deferred = p.x
     in_f = g.trellis.shape[0] * 16
     res = p.residual
@@ -365,4 +283,4 @@ def _launch_normed_into(p: "ops.PendingNorm", g: ops.EXL3Group) -> PreparedInput
     res_out = None if res is None else torch.empty_like(res)
     y = d.launch(ChainOut.normed(target, g.suh, p.weight, res, res_out))
     p.sum = y if res is None else res_out
-    return target
+    return _product_on_prepared(g, g.bias, g.seg_cols, target, chain)
