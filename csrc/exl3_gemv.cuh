@@ -42,16 +42,22 @@ __device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src
 // 16 bits : B). State j is bits [28-4j, 44-4j) of H (the same states as state_at<4(j+1)>). Byte-
 // aligned windows are one PRMT against zero; the odd-nibble ones come from one funnel shift of
 // H by 4. 11 ALU ops for 8 states instead of 16.
+// A12 (debug variant 8 until a GPU has timed it): the two states that reach into A take A's low
+// 12 bits once (a12 = A & 0xfff) instead of one mask each: state 0 is then the funnel shift of
+// a12 : B alone (nothing above bit 15), state 1 one PRMT whose two top bytes are a12's zero byte 2.
+// 10 ALU ops, the same states.
+template <bool A12 = false>
 __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t st[8]) {
     const uint32_t V = __funnelshift_r(B, A, 4);  // H >> 4 (low 32 bits)
+    const uint32_t a12 = A & 0xfffu;              // A12 only
     st[7] = B & 0xffffu;
     st[5] = __byte_perm(B, 0u, 0x4421);
     st[3] = B >> 16;
-    st[1] = __byte_perm(B, A & 0xffu, 0x5543);
+    st[1] = A12 ? __byte_perm(B, a12, 0x6643) : __byte_perm(B, A & 0xffu, 0x5543);
     st[6] = V & 0xffffu;
     st[4] = __byte_perm(V, 0u, 0x4421);
     st[2] = V >> 16;
-    st[0] = __funnelshift_r(B, A, 28) & 0xffffu;
+    st[0] = A12 ? __funnelshift_r(B, a12, 28) : __funnelshift_r(B, A, 28) & 0xffffu;
 }
 
 // lane_states_k4 followed by the MUL1 multiply (x = s * 0x83DCD12D), with one of the four 32-bit
@@ -63,6 +69,9 @@ __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t 
 // This is ~1% faster on the large layers. Splitting two windows (H >> 4 too) measured the same,
 // all four (12 IMADs per tile) no faster, and one on the fp16 path (5..8 rows, whose IDP4As also
 // take the FMA pipe) 1-2% slower (csrc/PERF_NOTES.md, session 15).
+// A12: states 0 and 1 as lane_states_k4<true> takes them (19 -> 18 integer ops a tile, 10 -> 9 on
+// the ALU pipe).
+template <bool A12 = false>
 __device__ __forceinline__ void lane_products_k4(uint32_t A, uint32_t B, uint32_t x[8]) {
     constexpr uint32_t M = 0x83DCD12Du;
     constexpr uint32_t kNegM16 = 0u - (M << 16);  // hi * kNegM16 = -(hi * M) << 16 (mod 2^32)
@@ -72,18 +81,19 @@ __device__ __forceinline__ void lane_products_k4(uint32_t A, uint32_t B, uint32_
     x[7] = s3 * kNegM16 + B * M;  // (B & 0xffff) * M
     x[2] = (V >> 16) * M;
     x[6] = (V & 0xffffu) * M;
+    const uint32_t a12 = A & 0xfffu;  // A12 only
     x[5] = __byte_perm(B, 0u, 0x4421) * M;
-    x[1] = __byte_perm(B, A & 0xffu, 0x5543) * M;
+    x[1] = (A12 ? __byte_perm(B, a12, 0x6643) : __byte_perm(B, A & 0xffu, 0x5543)) * M;
     x[4] = __byte_perm(V, 0u, 0x4421) * M;
-    x[0] = (__funnelshift_r(B, A, 28) & 0xffffu) * M;
+    x[0] = (A12 ? __funnelshift_r(B, a12, 28) : __funnelshift_r(B, A, 28) & 0xffffu) * M;
 }
 
 // The lane's 8 raw states of one tile, read from shared memory (words of the tile at `tile`).
-template <int K>
+template <int K, bool A12 = false>
 __device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa, int wb, int wc,
                                           int shift, uint32_t st[8]) {
     if constexpr (K == 4) {
-        lane_states_k4(smem[tile + wa], smem[tile + wb], st);
+        lane_states_k4<A12>(smem[tile + wa], smem[tile + wb], st);
     } else {
         lane_states<K>(smem[tile + wa], smem[tile + wb], smem[tile + wc], shift, st);
     }
@@ -364,12 +374,12 @@ inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream) {
 // as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
 // RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it
 // per output.
-template <int K, int CB, bool RAW = false>
+template <int K, int CB, bool RAW = false, bool A12 = false>
 __device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
                                               uint32_t v[4]) {
     static_assert(!RAW || CB == CB_MUL1, "only MUL1 has a raw decode");
     uint32_t st[8];
-    gv_states<K>(smem, tile, wa, wb, wc, shift, st);
+    gv_states<K, A12>(smem, tile, wa, wb, wc, shift, st);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
         v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
@@ -448,7 +458,10 @@ struct GvBlockList {
 // launch alone (every warp returns after the PDL wait), 5 no split-k tail (no atomics, no
 // completion count, no output stage), 6 the atomics but no completion count or output stage;
 // 7, K = 4 integer path: the right results with all of the state extraction on the ALU pipe (the
-// previous version; the shipped kernel splits one window onto the FMA pipe, lane_products_k4)).
+// previous version; the shipped kernel splits one window onto the FMA pipe, lane_products_k4);
+// 8, K = 4: the right results with A's 12 low bits masked once (lane_states_k4's A12), the
+// candidate for the shipped extraction, in the shipped configurations; 9, K = 4 integer path: 8
+// with the tiles' words read by ldmatrix and a shuffle, kLdsm).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
@@ -659,6 +672,14 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
 
     int wa, wb, wc, shift;
     lane_words<K>(lane, wa, wb, wc, shift);
+    // Debug variant 9 (kGvVarLdsm): K = 4's words of four tiles by one ldmatrix, lane i giving the
+    // address of chunk i % 8 of tile i / 8, so that lane l gets word l of each (its B); its A, word
+    // l - 1 (wa), is the lane before's B, one shuffle a tile: 10 shared-memory instructions per k
+    // row of 8 tiles instead of 16 loads; then the A12 decode.
+    constexpr bool kLdsm = VAR == kGvVarLdsm && K == 4 && PATH == GV_I8 && CT % 4 == 0;
+    const uint32_t smem_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem));
+    const uint32_t ldsm_lane = (uint32_t)((lane >> 3) * TW + (lane & 7) * 4) * 4u;
+    const int lane_before = (lane + 31) & 31;  // wa's lane for K = 4
     const int g = lane >> 2;
     const int cq = lane & 3;
 
@@ -827,6 +848,15 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
                     }
                 }
+                // kLdsm: the k row's words, B by ldmatrix (four tiles a load), A from the lane before.
+                uint32_t wA[kLdsm ? CT : 1], wB[kLdsm ? CT : 1];
+                if constexpr (kLdsm) {
+#pragma unroll
+                    for (int h = 0; h < CT; h += 4)
+                        ldmatrix_x4(smem_sa + (uint32_t)(base + h * TW) * 4u + ldsm_lane, wB[h], wB[h + 1], wB[h + 2], wB[h + 3]);
+#pragma unroll
+                    for (int ct = 0; ct < CT; ++ct) wA[ct] = __shfl_sync(0xffffffffu, wB[ct], lane_before);
+                }
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
                     const int tile = base + ct * TW;
@@ -834,8 +864,10 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
 #pragma unroll
                         for (int q = 0; q < 8; ++q) x[q] = gv_smem[tile + (q & 1 ? wb : wa)] + q;
+                    } else if constexpr (kLdsm) {
+                        lane_products_k4<true>(wA[ct], wB[ct], x);
                     } else if constexpr (K == 4 && VAR != 7) {  // one window on the FMA pipe
-                        lane_products_k4(gv_smem[tile + wa], gv_smem[tile + wb], x);
+                        lane_products_k4<VAR == kGvVarA12>(gv_smem[tile + wa], gv_smem[tile + wb], x);
                     } else {
                         gv_states<K>(gv_smem, tile, wa, wb, wc, shift, x);
 #pragma unroll
@@ -866,7 +898,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
                     } else {
-                        gv_decode_f16<K, CB, kRawMul1>(gv_smem, tile, wa, wb, wc, shift, v);
+                        gv_decode_f16<K, CB, kRawMul1, VAR == kGvVarA12>(gv_smem, tile, wa, wb, wc, shift, v);
                     }
                     if constexpr (VAR == 2) {
                         acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
@@ -947,7 +979,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;
     // with 5 also a decode chain's product, launched here without its chain code: CH false).
     const int split_from = PATH == GV_I8 ? 4 : NG >= 2 ? 2 : 3;
-    const bool split = !CH && VAR == 0 && a.y && gemv_split_finish() >= split_from;
+    const bool split = !CH && gv_shipped_schedule(VAR) && a.y && gemv_split_finish() >= split_from;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
                                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
@@ -966,13 +998,13 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
     const GvPick pick = gv_pick<K, PATH, NG, SP, CH, VAR>(a.in, a.out, a.num_sms, one_row, device_smem_limits());
-    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR == 7)) {
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (gv_shipped_schedule(VAR) || VAR == 7)) {
         if (pick.cfg == 10) return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
         if (pick.cfg == 9) return launch_gemv_var<K, CB, PATH, NG, VAR, 9, SP, CH>(a, stream);
     }
-    if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
+    if constexpr (gv_shipped_schedule(VAR) && gv_has_compact<K, PATH, NG, SP>()) {
         if (pick.cfg == kGvCompact)
             return launch_gemv_var<K, CB, PATH, NG, VAR, kGvCompact, SP, CH>(a, stream);
     }
@@ -987,7 +1019,13 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path, one group of rows
         if constexpr (PATH == GV_I8 && NG == 1) {
             // gemv_split_finish 5: a plain product, then gv_finish_chain_kernel (launch_gv_finish)
-            if (gemv_split_finish() >= 5) return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
+            if (gemv_split_finish() >= 5) {
+                if constexpr (kDebugVariants && K == 4) {  // the decode variants, for whole-model A/Bs
+                    if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
+                    if (variant == kGvVarLdsm) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarLdsm>(a, false, stream);
+                }
+                return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
+            }
             if (a.m != 1) return cudaErrorInvalidValue;  // the in-warp chain writes one row
             return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
         }
@@ -1009,6 +1047,12 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
             if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8) {  // the previous ALU / FMA split
                 if (variant == 7) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 7>(a, false, stream);
             }
+        }
+        if constexpr (K == 4) {  // A masked once (lane_states_k4's A12): every codebook, path and group count
+            if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
+        }
+        if constexpr (K == 4 && PATH == GV_I8) {  // and the words by ldmatrix (integer path)
+            if (variant == kGvVarLdsm) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarLdsm>(a, false, stream);
         }
         if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
             switch (variant) {

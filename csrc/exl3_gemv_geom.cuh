@@ -24,6 +24,14 @@ constexpr bool kDebugVariants = false;
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31;
 }
+// Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12), 9 also reads the tiles'
+// words by ldmatrix (the integer path's kLdsm); otherwise they run as the shipped kernels do
+// (configurations, compact ring, split finish), so that an A/B against variant 0 times the decode
+// alone.
+constexpr int kGvVarA12 = 8, kGvVarLdsm = 9;
+__host__ __device__ constexpr bool gv_shipped_schedule(int var) {
+    return var == 0 || var == kGvVarA12 || var == kGvVarLdsm;
+}
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two
 // blocks fit on an H200 SM and ~150 KB of trellis is in flight per SM. GPUs with less shared
@@ -181,7 +189,8 @@ inline int& gemv_lean_groups() {
 // (CFG 10) for the largest one-group layers, two (CFG 9) for large ones, else one (CFG 0), each
 // only where it fits as the setting asks (gemv_compact); then the compact one, which small
 // products take in place of CFG 0 (gemv_lean_units). Debug variants
-// (VAR != 0) keep the shipped rings. one_row: debug variant 10, CFG 0 everywhere.
+// keep the shipped rings (gv_shipped_schedule: all of the shipped choices). one_row: debug
+// variant 10, CFG 0 everywhere.
 struct GvPick {
     int cfg;
     int smem_bytes;
@@ -191,7 +200,7 @@ template <int K, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim) {
     static_assert(SP || gv_has_compact<K, PATH, NG, SP>() || gv_smem_words<K, PATH, NG, 0, SP>() * 4 <= kGvCompactBytes,
                   "every product without self prep fits two blocks in 100 KB one way or the other");
-    const int mode = VAR == 0 ? gemv_compact() : kGvCompactNever;
+    const int mode = gv_shipped_schedule(VAR) ? gemv_compact() : kGvCompactNever;
     auto fits = [&](int words) {
         return mode == kGvCompactNever ||
                (mode != kGvCompactAlways && gv_fits(4L * words, mode == kGvCompactTwoBlocks ? 2 : 1, lim));
@@ -200,7 +209,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
         const long bytes = 4L * words;
         return GvPick{cfg, (int)bytes, gv_fits(bytes, 2, lim) ? 2 : gv_fits(bytes, 1, lim) ? 1 : 0};
     };
-    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (VAR == 0 || VAR == 7)) {
+    if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (gv_shipped_schedule(VAR) || VAR == 7)) {
         constexpr int w = gv_smem_words<K, PATH, NG, 10, SP>();
         if (!one_row && gv_four_rows(in, out, K, num_sms) && fits(w)) return pick(10, w);
     }
@@ -209,7 +218,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
         if (!one_row && gv_two_rows(in, out, K, num_sms) && fits(w)) return pick(9, w);
     }
     constexpr int w0 = gv_smem_words<K, PATH, NG, 0, SP>();
-    if constexpr (VAR == 0 && gv_has_compact<K, PATH, NG, SP>()) {
+    if constexpr (gv_shipped_schedule(VAR) && gv_has_compact<K, PATH, NG, SP>()) {
         const long units = (long)(out / 16 / GvShape<PATH, NG, 0>::CT) * (in / 16);
         const bool lean = NG <= gemv_lean_groups() && mode != kGvCompactNever && units < gemv_lean_units() * gv_resident_warps(num_sms);
         if (!one_row && (lean || !fits(w0))) return pick(kGvCompact, gv_smem_words<K, PATH, NG, kGvCompact, SP>());

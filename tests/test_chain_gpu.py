@@ -324,3 +324,24 @@ def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkey
         assert rel < 1e-2
         agree += int(torch.equal(a.argmax(-1), b.argmax(-1)))
     assert agree >= len(runs[True]) - 1  # a near tie may flip one
+
+
+@pytest.mark.parametrize("variant", [8, 9])
+def test_model_decode_with_the_decode_variants_matches_shipped(tmp_path, request, variant):
+    """The K = 4 decode variants (8: the previous word masked once; 9: also the tiles' words by
+    ldmatrix on the integer path) run every product of a decode step, chained ones included
+    (launch_gemv_ng's chain branch at split finish 5): the synthetic model's logits match the
+    shipped decode's up to the split-k atomics' order."""
+    from engine.models import load_model
+    from tests.test_static_cache import decode_logits
+
+    _set_split(FINISH_KERNEL)
+    request.addfinalizer(_restore_split)
+    model = load_model(_synth_model(tmp_path), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(7)).cuda()
+    want = decode_logits(model, model.new_static_cache(1, 64), ids, 16)
+    with ops.debug_variant(variant):
+        got = decode_logits(model, model.new_static_cache(1, 64), ids, 16)
+    for a, b in zip(got, want):
+        rel = float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+        assert rel < 1e-2, rel

@@ -19,9 +19,9 @@ from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, wor
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
-# four k rows per unit)
+# four k rows per unit; K = 4's states with the previous word masked once, lane_states_k4's A12)
 SHARED, PER_WARP = 30, 31
-BENCH_CONFIGS = (32, 33, 34, 35, 37)
+BENCH_CONFIGS = (32, 33, 34, 35, 37, 39)
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))

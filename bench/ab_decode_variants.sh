@@ -1,0 +1,42 @@
+#!/bin/bash
+# Session 32 (written without a GPU, not yet run): one device call, ~420 s, an H200 wanted (the
+# goals are the H200's); carry .devcarry/shared. The two K = 4 decode variants against the shipped
+# decode, all in one process per step, alternating:
+#   8 (A12): the lane's previous word masked once, one ALU op a tile fewer on every K = 4 path;
+#   9 (A12 + kLdsm): also the tiles' words by ldmatrix and a shuffle on the integer path (10
+#     shared-memory instructions per k row of 8 tiles instead of 16 loads);
+#   39: A12 in the block-shared kernel (17..32 rows of large layers).
+# Steps: build + the full GPU suite (the variants' tests among it); the goal shapes at 1 and 8
+# rows, and the 32-row goal on the block-shared kernel; whole-model decode at batch 1 and 4; ncu of
+# the one-row product under each (instructions executed, issue slots busy, pipe use).
+# SHORT=1 (~220 s): the variants' GPU tests only, not the suite.
+[ -n "$SHORT" ] && export SKIP_GPU_TESTS=1
+source bench/gpu_common.sh
+el() { echo $(( $(date +%s)-t0 )); }
+if [ -n "$SHORT" ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_shared_gpu.py \
+    tests/test_chain_gpu.py -k "a12 or split_between or every_row_group or decode_variants" 2>&1 | tail -3 | tee -a $L
+fi
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee -a $L
+LIN="timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --paths fused"
+echo "== products: variants 0 / 8 / 9, twice $(el)s" | tee -a $L
+$LIN --shapes 8192x28672 4096x28672 14336x4096 4096x4096 --m 1 8 --variants 0 8 9 0 8 9 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
+echo "== 32 rows, block-shared kernel: variants 30 (shipped) / 39 (A12), twice $(el)s" | tee -a $L
+$LIN --shapes 8192x28672 --m 32 --variants 30 39 30 39 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
+M=/tmp/llama3-8b
+timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
+DEC="timeout 120 python3 -m bench.decode --model-dir $M --contexts 0"
+KEEP='"tokens_per_s\|error'
+echo "== decode, batch 1 $(el)s" | tee -a $L
+$DEC --tokens 96 --paths cuda-graph cuda-graph-a12 cuda-graph-ldsm cuda-graph cuda-graph-a12 cuda-graph-ldsm 2>&1 | grep "$KEEP" | cut -c1-170 | tee -a $L
+echo "== decode, batch 4 $(el)s" | tee -a $L
+$DEC --tokens 64 --batch 4 --paths cuda-graph cuda-graph-ldsm cuda-graph cuda-graph-ldsm 2>&1 | grep "$KEEP" | cut -c1-190 | tee -a $L
+echo "== ncu, one row of 8192x28672: variants 0 / 8 / 9 $(el)s" | tee -a $L
+for v in 0 8 9; do
+  TRELLIS_GV_VARIANT=$v timeout 60 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section SchedulerStats --section ComputeWorkloadAnalysis --metrics smsp__inst_executed.sum \
+    python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu_v$v.txt 2>&1
+  echo "variant $v" | tee -a $L
+  grep -E "Duration|Issue Slots Busy|Eligible Warps|No Eligible|inst_executed|ALU|FMA" $OUT/ncu_v$v.txt | head -12 | tee -a $L
+done
+echo "== done $(el)s" | tee -a $L
