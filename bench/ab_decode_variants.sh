@@ -1,11 +1,13 @@
 #!/bin/bash
-# Session 32 (written without a GPU, not yet run): one device call, ~420 s, an H200 wanted (the
+# Session 32 (written without a GPU, not yet run): one device call, ~450 s, an H200 wanted (the
 # goals are the H200's); carry .devcarry/shared. The two K = 4 decode variants against the shipped
 # decode, all in one process per step, alternating:
 #   8 (A12): the lane's previous word masked once, one ALU op a tile fewer on every K = 4 path;
 #   9 (A12 + kLdsm): also the tiles' words by ldmatrix and a shuffle on the integer path (10
 #     shared-memory instructions per k row of 8 tiles instead of 16 loads);
-#   39: A12 in the block-shared kernel (17..32 rows of large layers).
+#   39: A12 in the block-shared kernel (17..32 rows of large layers); 40: that with MUL1's byte
+#     sums by two MMAs a tile instead of an IDP4A a weight (mul1_f16_by_mma); 21: the same on the
+#     per-warp fp16 path (9..16 rows, and 17..32 of smaller layers).
 # Steps: build + the full GPU suite (the variants' tests among it); the goal shapes at 1 and 8
 # rows, and the 32-row goal on the block-shared kernel; whole-model decode at batch 1 and 4; ncu of
 # the one-row product under each (instructions executed, issue slots busy, pipe use).
@@ -15,14 +17,16 @@ source bench/gpu_common.sh
 el() { echo $(( $(date +%s)-t0 )); }
 if [ -n "$SHORT" ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_shared_gpu.py \
-    tests/test_chain_gpu.py -k "a12 or split_between or every_row_group or decode_variants" 2>&1 | tail -3 | tee -a $L
+    tests/test_chain_gpu.py -k "a12 or split_between or every_row_group or decode_variants or row_sums" 2>&1 | tail -3 | tee -a $L
 fi
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee -a $L
 LIN="timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --paths fused"
 echo "== products: variants 0 / 8 / 9, twice $(el)s" | tee -a $L
 $LIN --shapes 8192x28672 4096x28672 14336x4096 4096x4096 --m 1 8 --variants 0 8 9 0 8 9 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
-echo "== 32 rows, block-shared kernel: variants 30 (shipped) / 39 (A12), twice $(el)s" | tee -a $L
-$LIN --shapes 8192x28672 --m 32 --variants 30 39 30 39 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
+echo "== 32 rows, block-shared kernel: variants 30 (shipped) / 39 (A12) / 40 (A12 + byte sums by MMAs), twice $(el)s" | tee -a $L
+$LIN --shapes 8192x28672 --m 32 --variants 30 39 40 30 39 40 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
+echo "== 16 rows, per-warp fp16 path: variants 0 / 21 (A12 + byte sums by MMAs), twice $(el)s" | tee -a $L
+$LIN --shapes 8192x28672 14336x4096 --m 16 --variants 0 21 0 21 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 DEC="timeout 120 python3 -m bench.decode --model-dir $M --contexts 0"

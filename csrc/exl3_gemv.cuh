@@ -385,6 +385,41 @@ __device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, in
         v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
 }
 
+// MUL1's byte sums by the tensor cores (debug variants 21 and 40, kTcSum): the fp16 path's MUL1
+// decode spends an IDP4A a weight on t, the byte sum of x = s * M (decode_pair_mul1_raw). Two u8 x s8
+// MMAs make all 256 sums of a tile instead: their A is the integer path's (x[0], x[4], x[1], x[5]
+// and x[2], x[6], x[3], x[7]: k slot group c holds step 2c's x in a0 / a1 and step 2c + 1's in
+// a2 / a3), B selects group c into column 2c and group 4 + c into column 2c + 1 (b0 of lane (g,
+// cq): ones where g = 2cq, b1: where g = 2cq + 1), and C is 0x6400 everywhere, so D holds the fp16
+// bits of 1024 + t in the m16n8 accumulator layout, which is the m16n8k16 A fragment's (rows g,
+// g + 8; k 2cq, 2cq + 1): one PRMT a pair packs them. 8 IDP4A a tile become 2 IMMA.
+struct Mul1SumSelect {
+    uint32_t b0, b1;
+    __device__ __forceinline__ explicit Mul1SumSelect(int lane) {
+        const int g = lane >> 2, cq = lane & 3;
+        b0 = g == 2 * cq ? 0x01010101u : 0u;
+        b1 = g == 2 * cq + 1 ? 0x01010101u : 0u;
+    }
+};
+// x: the lane's 8 products (lane_products_k4); v as gv_decode_f16's (v[q]: steps 2q, 2q + 1). RAW: no
+// affine step (decode_pair_mul1_raw's values), else decode_pair<CB_MUL1>'s.
+template <bool RAW>
+__device__ __forceinline__ void mul1_f16_by_mma(const uint32_t x[8], Mul1SumSelect sel, uint32_t v[4]) {
+    int d[4], e[4];
+    mma_16832_u8s8_plus(d, x[0], x[4], x[1], x[5], sel.b0, sel.b1, 0x6400);
+    mma_16832_u8s8_plus(e, x[2], x[6], x[3], x[7], sel.b0, sel.b1, 0x6400);
+    v[0] = __byte_perm(d[0], d[1], 0x5410);  // steps 0, 1
+    v[2] = __byte_perm(d[2], d[3], 0x5410);  // steps 4, 5
+    v[1] = __byte_perm(e[0], e[1], 0x5410);  // steps 2, 3
+    v[3] = __byte_perm(e[2], e[3], 0x5410);  // steps 6, 7
+    if constexpr (!RAW) {
+        const half2 k_inv = as_h2(0x1EEE1EEEu);
+        const half2 k_bias = as_h2(0xC931C931u);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = as_u32(__hfma2(as_h2(v[q]), k_inv, k_bias));
+    }
+}
+
 // MUL1's affine step for the fp16 path, applied per output: the k row's B fragment times an A of
 // ones adds sum(x) over the k row to `sacc` (the same D layout as the tile accumulators; columns
 // g and g + 8 alike), one MMA per k row instead of one HFMA2 per weight pair and tile.
@@ -461,7 +496,8 @@ struct GvBlockList {
 // previous version; the shipped kernel splits one window onto the FMA pipe, lane_products_k4);
 // 8, K = 4: the right results with A's 12 low bits masked once (lane_states_k4's A12), the
 // candidate for the shipped extraction, in the shipped configurations; 9, K = 4 integer path: 8
-// with the tiles' words read by ldmatrix and a shuffle, kLdsm).
+// with the tiles' words read by ldmatrix and a shuffle, kLdsm; 21, K = 4 MUL1 fp16 path: A12 with
+// the byte sums by MMAs, kTcSum).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
@@ -680,6 +716,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const uint32_t smem_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem));
     const uint32_t ldsm_lane = (uint32_t)((lane >> 3) * TW + (lane & 7) * 4) * 4u;
     const int lane_before = (lane + 31) & 31;  // wa's lane for K = 4
+    // Debug variant 21 (kGvVarTcSum): the fp16 path's MUL1 byte sums by two MMAs a tile, A12's states.
+    constexpr bool kTcSum = VAR == kGvVarTcSum && K == 4 && CB == CB_MUL1 && PATH == GV_F16;
+    const Mul1SumSelect tc_select(lane);
     const int g = lane >> 2;
     const int cq = lane & 3;
 
@@ -897,6 +936,10 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     uint32_t v[4];
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
+                    } else if constexpr (kTcSum) {
+                        uint32_t x[8];
+                        lane_products_k4<true>(gv_smem[tile + wa], gv_smem[tile + wb], x);
+                        mul1_f16_by_mma<kRawMul1>(x, tc_select, v);
                     } else {
                         gv_decode_f16<K, CB, kRawMul1, VAR == kGvVarA12>(gv_smem, tile, wa, wb, wc, shift, v);
                     }
@@ -1053,6 +1096,9 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         }
         if constexpr (K == 4 && PATH == GV_I8) {  // and the words by ldmatrix (integer path)
             if (variant == kGvVarLdsm) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarLdsm>(a, false, stream);
+        }
+        if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_F16) {  // MUL1's byte sums by MMAs (fp16 path)
+            if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
         }
         if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
             switch (variant) {

@@ -25,12 +25,12 @@ inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31;
 }
 // Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12), 9 also reads the tiles'
-// words by ldmatrix (the integer path's kLdsm); otherwise they run as the shipped kernels do
-// (configurations, compact ring, split finish), so that an A/B against variant 0 times the decode
-// alone.
-constexpr int kGvVarA12 = 8, kGvVarLdsm = 9;
+// words by ldmatrix (the integer path's kLdsm), 21 takes MUL1's byte sums by MMAs on the fp16 path
+// (kTcSum); otherwise they run as the shipped kernels do (configurations, compact ring, split
+// finish), so that an A/B against variant 0 times the decode alone.
+constexpr int kGvVarA12 = 8, kGvVarLdsm = 9, kGvVarTcSum = 21;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
-    return var == 0 || var == kGvVarA12 || var == kGvVarLdsm;
+    return var == 0 || var == kGvVarA12 || var == kGvVarLdsm || var == kGvVarTcSum;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

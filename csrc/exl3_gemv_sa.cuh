@@ -29,8 +29,9 @@ namespace trellis {
 // unit at four groups too, as before session 28 (kSaTwoRows). Timing probes with wrong results:
 // CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail), CFG
 // 32 (variant 38) the atomics without the count and output stage (kSaNoFinish). CFG 64 (variant
-// 39): K = 4 states with A masked once (lane_states_k4's A12), the candidate shipped decode.
-constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64;
+// 39): K = 4 states with A masked once (lane_states_k4's A12), the candidate shipped decode; CFG
+// 128 (variant 40): A12 with MUL1's byte sums by MMAs (mul1_f16_by_mma, kSaTcSum).
+constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -70,6 +71,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // (session 27): 8192x28672 and 28672x8192 at 17 and 32 rows 6% faster, 14336x4096 2-4%,
     // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
+    constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
+    const Mul1SumSelect tc_select(threadIdx.x & 31);
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 
@@ -210,7 +213,14 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
             for (int ct = 0; ct < CT; ++ct) {
                 uint32_t v[4];
-                gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
+                if constexpr (kTcSum) {
+                    const int tile = stage + (kr * CT + ct) * TW;
+                    uint32_t x[8];
+                    lane_products_k4<true>(sa_smem[tile + wa], sa_smem[tile + wb], x);
+                    mul1_f16_by_mma<RAW>(x, tc_select, v);
+                } else {
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
+                }
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
             }
@@ -329,11 +339,11 @@ SaGrid sa_grid(const MmArgs& a) {
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
 // 14336x4096, so the per-warp kernel stays); 2 always.
-// Debug variants 30 and 32-39 force it on, 31 and the other variants (probes and configurations
+// Debug variants 30 and 32-40 force it on, 31 and the other variants (probes and configurations
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || variant > 39 || variant == 31)) return false;
+    if (variant != 0 && (variant < 30 || variant > 40 || variant == 31)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
@@ -373,6 +383,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 37) return launch_gemv_sa<K, CB, NG, kSaTwoRows>(a, stream);
             if (variant == 38) return launch_gemv_sa<K, CB, NG, kSaNoFinish>(a, stream);
             if (variant == 39) return launch_gemv_sa<K, CB, NG, kSaA12>(a, stream);
+            if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

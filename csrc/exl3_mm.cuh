@@ -85,6 +85,15 @@ __device__ __forceinline__ void mma_16832_u8s8(int d[4], uint32_t a0, uint32_t a
         : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// The same with D = A B + c in every element (a constant C, held in registers the compiler keeps).
+__device__ __forceinline__ void mma_16832_u8s8_plus(int d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                    uint32_t b0, uint32_t b1, int c) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+}
 
 // In-register 128-point Walsh-Hadamard (natural order) of 4 consecutive values per lane,
 // unnormalized.

@@ -19,9 +19,10 @@ from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, wor
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
-# four k rows per unit; K = 4's states with the previous word masked once, lane_states_k4's A12)
+# four k rows per unit; K = 4's states with the previous word masked once, lane_states_k4's A12;
+# that with MUL1's byte sums by MMAs, mul1_f16_by_mma)
 SHARED, PER_WARP = 30, 31
-BENCH_CONFIGS = (32, 33, 34, 35, 37, 39)
+BENCH_CONFIGS = (32, 33, 34, 35, 37, 39, 40)
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))
@@ -192,17 +193,19 @@ def test_shared_kernel_mul1_row_sums_over_slices(rows):
     """MUL1 on the block-shared kernel decodes to 1024 + t and adds k_bias times the row sums of
     each k slice once per column group: inputs of mean 1 with unit input scales make that term
     ~30x the product, on a shape of several slices (8192 inputs) and several blocks per slice;
-    the per-pair affine decode (variant 35) and the per-warp kernel agree with it."""
+    the per-pair affine decode (variant 35), the byte sums by MMAs (variant 40) and the per-warp
+    kernel agree with it."""
     t = rand_layer(8192, 2048, 4, "mul1", seed=rows)
     t = fmt.EXL3Tensors(t.trellis, torch.ones_like(t.suh), t.svh, "mul1", None)
     x = (1.0 + 0.1 * torch.randn(rows, 8192, device=DEV)).half()
     want = fmt.exl3_matmul_reference(x.float(), t)
     got = {}
-    for variant in (SHARED, 35, PER_WARP):
+    for variant in (SHARED, 35, 40, PER_WARP):
         with ops.debug_variant(variant):
             got[variant] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
         assert rel_rms(got[variant], want) < 2e-3, (variant, rel_rms(got[variant], want))
     assert rel_rms(got[SHARED], got[35]) < 1e-3
+    assert rel_rms(got[SHARED], got[40]) < 1e-3
     assert workspaces_zero()
 
 
