@@ -272,7 +272,10 @@ static long gv_most_units(const MmArgs& a, int cfg, int& kr) {
 }
 
 bool gemv_chain_fits(const MmArgs& a) {
-    if (mm_debug_variant() != 0 || a.version != 3 || a.m < 1 || a.in % 128 || a.out % 128) return false;
+    // Debug variants other than the decode forms that keep the shipped schedule (8, 9, 21: the
+    // chain then runs as their plain product and the finish kernel) have no chain output.
+    const int v = mm_debug_variant();
+    if ((v != 0 && !gv_shipped_schedule(v)) || a.version != 3 || a.m < 1 || a.in % 128 || a.out % 128) return false;
     // 2..4 rows: only through the finish kernel (gemv_split_finish 5), which has no limit of its own
     if (a.m > 1) return a.m <= 4 && gemv_split_finish() >= 5 && a.out / 128 <= 0xffff;
     const GvPick pick = gv_pick_one_row(a, false);
