@@ -11,8 +11,8 @@
 # Steps: build + the full GPU suite (the variants' tests among it); the goal shapes at 1 and 8
 # rows, and the 32-row goal on the block-shared kernel; whole-model decode at batch 1 and 4; ncu of
 # the one-row product under each (instructions executed, issue slots busy, pipe use).
-# SHORT=1: the variants' GPU tests only, not the suite. NO_DECODE=1: stop after the products;
-# NO_PRODUCTS=1: skip them. Two calls that fit the 600 s limit: SHORT=1 NO_DECODE=1 (~400 s), then
+# SHORT=1: the variants' GPU tests only, not the suite. NO_DECODE=1 / NO_PRODUCTS=1: skip the
+# decode / the products. Two calls that fit the 600 s limit: SHORT=1 NO_DECODE=1 (~400 s), then
 # SKIP_GPU_TESTS=1 NO_PRODUCTS=1 (~250 s; its build is cached while the machine is warm).
 [ -n "$SHORT" ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
@@ -32,7 +32,7 @@ $LIN --shapes 8192x28672 --m 32 --variants 30 39 40 30 39 40 2>&1 | python3 -c "
 echo "== 16 rows, per-warp fp16 path: variants 0 / 21 (A12 + byte sums by MMAs), twice $(el)s" | tee -a $L
 $LIN --shapes 8192x28672 14336x4096 --m 16 --variants 0 21 0 21 2>&1 | python3 -c "$SUM" | grep linear_tune | tee -a $L
 fi
-[ -n "$NO_DECODE" ] && { echo "== done $(el)s" | tee -a $L; exit 0; }
+if [ -z "$NO_DECODE" ]; then
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 DEC="timeout 120 python3 -m bench.decode --model-dir $M --contexts 0"
@@ -41,6 +41,7 @@ echo "== decode, batch 1 $(el)s" | tee -a $L
 $DEC --tokens 96 --paths cuda-graph cuda-graph-a12 cuda-graph-ldsm cuda-graph cuda-graph-a12 cuda-graph-ldsm 2>&1 | grep "$KEEP" | cut -c1-170 | tee -a $L
 echo "== decode, batch 4 $(el)s" | tee -a $L
 $DEC --tokens 64 --batch 4 --paths cuda-graph cuda-graph-ldsm cuda-graph cuda-graph-ldsm 2>&1 | grep "$KEEP" | cut -c1-190 | tee -a $L
+fi
 echo "== ncu, one row of 8192x28672: variants 0 / 8 / 9 $(el)s" | tee -a $L
 for v in 0 8 9; do
   TRELLIS_GV_VARIANT=$v timeout 60 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
