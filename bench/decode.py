@@ -62,9 +62,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
   cuda-graph-alu  right tokens: the K = 4 integer products with their state extraction all on
               the ALU pipe, as before session 15 (VAR 7; shipped: one window on the FMA pipe)
   cuda-graph-a12  right tokens: every K = 4 product decoding with the lane's previous word masked
-              once (VAR 8, lane_states_k4's A12: one ALU op a tile fewer)
-  cuda-graph-ldsm  right tokens: A12, and the integer products reading the tiles' words by
-              ldmatrix and a shuffle (VAR 9, kLdsm)
+              once, the integer path's words by shared loads (VAR 8)
+  cuda-graph-s31dec  right tokens: the integer products with session 31's decode (two masks, the
+              words by shared loads; VAR 22; shipped since session 32: A12 and ldmatrix)
   cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
               (engine/ops/open_sums.py) for no reader / every reader / the down projection's
               prep only / the norms' preps only (TRELLIS_OPEN_SUMS picks the default, none)
@@ -101,9 +101,8 @@ CHAIN_PATHS = {"cuda-graph-nochain": "0", "cuda-graph-chain": "1", "cuda-graph-c
 # Timing probes of the products' fixed cost (csrc/exl3_gemv.cuh, VAR 4-6; wrong tokens).
 PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6,
                   # right results: the K = 4 integer path's decode extraction all on the ALU pipe;
-                  # the previous word masked once (A12, every K = 4 product); A12 with the words by
-                  # ldmatrix (the integer path's products, chained ones included)
-                  "cuda-graph-alu": 7, "cuda-graph-a12": 8, "cuda-graph-ldsm": 9}
+                  # the previous word masked once with shared loads (A12); session 31's decode
+                  "cuda-graph-alu": 7, "cuda-graph-a12": 8, "cuda-graph-s31dec": 22}
 
 
 def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Path:

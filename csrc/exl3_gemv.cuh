@@ -494,10 +494,10 @@ struct GvBlockList {
 // completion count, no output stage), 6 the atomics but no completion count or output stage;
 // 7, K = 4 integer path: the right results with all of the state extraction on the ALU pipe (the
 // previous version; the shipped kernel splits one window onto the FMA pipe, lane_products_k4);
-// 8, K = 4: the right results with A's 12 low bits masked once (lane_states_k4's A12), the
-// candidate for the shipped extraction, in the shipped configurations; 9, K = 4 integer path: 8
-// with the tiles' words read by ldmatrix and a shuffle, kLdsm; 21, K = 4 MUL1 fp16 path: A12 with
-// the byte sums by MMAs, kTcSum).
+// 8, K = 4: the right results with A's 12 low bits masked once (lane_states_k4's A12), in the
+// shipped configurations, the integer path's words by shared loads (no kLdsm); 21, K = 4 MUL1 fp16
+// path: A12 with the byte sums by MMAs, kTcSum; 22, K = 4 integer path: session 31's shipped decode,
+// two masks and shared loads).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
 __global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
@@ -708,11 +708,16 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
 
     int wa, wb, wc, shift;
     lane_words<K>(lane, wa, wb, wc, shift);
-    // Debug variant 9 (kGvVarLdsm): K = 4's words of four tiles by one ldmatrix, lane i giving the
-    // address of chunk i % 8 of tile i / 8, so that lane l gets word l of each (its B); its A, word
-    // l - 1 (wa), is the lane before's B, one shuffle a tile: 10 shared-memory instructions per k
-    // row of 8 tiles instead of 16 loads; then the A12 decode.
-    constexpr bool kLdsm = VAR == kGvVarLdsm && K == 4 && PATH == GV_I8 && CT % 4 == 0;
+    // K = 4 integer path (kLdsm, shipped since session 32): the words of four tiles by one
+    // ldmatrix, lane i giving the address of chunk i % 8 of tile i / 8, so that lane l gets word l
+    // of each (its B); its A, word l - 1 (wa), is the lane before's B, one shuffle a tile: 10
+    // shared-memory instructions per k row of 8 tiles instead of 16 loads; then the A12 decode.
+    // 51 fewer instructions a unit of 32 tiles at CFG 10 (SASS); on an H100 0-2.6% faster products
+    // and 0.9% faster decode (csrc/PERF_NOTES.md, session 32). Not in the previous forms (variants
+    // 7, 8 and 22), the no-decode probe (1), or the self-prepping and in-warp chain kernels (off by
+    // default; the self-prepping one spilled with it at CFG 9).
+    constexpr bool kLdsm = K == 4 && PATH == GV_I8 && CT % 4 == 0 && !SP && !CH && VAR != 1 && VAR != 7 &&
+                           VAR != kGvVarA12 && VAR != kGvVarS31;
     const uint32_t smem_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem));
     const uint32_t ldsm_lane = (uint32_t)((lane >> 3) * TW + (lane & 7) * 4) * 4u;
     const int lane_before = (lane + 31) & 31;  // wa's lane for K = 4
@@ -1065,7 +1070,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
             if (gemv_split_finish() >= 5) {
                 if constexpr (kDebugVariants && K == 4) {  // the decode variants, for whole-model A/Bs
                     if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
-                    if (variant == kGvVarLdsm) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarLdsm>(a, false, stream);
+                    if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
                 }
                 return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
             }
@@ -1094,8 +1099,8 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         if constexpr (K == 4) {  // A masked once (lane_states_k4's A12): every codebook, path and group count
             if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
         }
-        if constexpr (K == 4 && PATH == GV_I8) {  // and the words by ldmatrix (integer path)
-            if (variant == kGvVarLdsm) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarLdsm>(a, false, stream);
+        if constexpr (K == 4 && PATH == GV_I8) {  // session 31's integer-path decode (two masks, word loads)
+            if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
         }
         if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_F16) {  // MUL1's byte sums by MMAs (fp16 path)
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);

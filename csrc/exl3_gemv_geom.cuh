@@ -24,13 +24,14 @@ constexpr bool kDebugVariants = false;
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31;
 }
-// Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12), 9 also reads the tiles'
-// words by ldmatrix (the integer path's kLdsm), 21 takes MUL1's byte sums by MMAs on the fp16 path
-// (kTcSum); otherwise they run as the shipped kernels do (configurations, compact ring, split
+// Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12) and the integer path's
+// words by shared loads, 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session
+// 31's integer-path decode (two masks, shared loads; the shipped one reads the words by ldmatrix,
+// kLdsm); otherwise they run as the shipped kernels do (configurations, compact ring, split
 // finish), so that an A/B against variant 0 times the decode alone.
-constexpr int kGvVarA12 = 8, kGvVarLdsm = 9, kGvVarTcSum = 21;
+constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
-    return var == 0 || var == kGvVarA12 || var == kGvVarLdsm || var == kGvVarTcSum;
+    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

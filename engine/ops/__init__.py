@@ -48,10 +48,10 @@ ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "
 
 # The fused product's configuration for K = 4 (TRELLIS_GV_VARIANT = 10 + CFG of csrc/exl3_gemv.cuh,
 # or 7, the K = 4 integer path's previous split of its decode between the ALU and FMA pipes, or 8,
-# 9 and 21, the decode forms of session 32; a benchmark knob); anything else below 10 means the
+# 21 and 22, the decode forms of session 32; a benchmark knob); anything else below 10 means the
 # shipped one.
 _DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
-if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT not in (7, 8, 9):
+if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT not in (7, 8):
     _DEFAULT_VARIANT = 0
 
 # Which products run their output transform as a kernel of their own after them
