@@ -712,10 +712,11 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // ldmatrix, lane i giving the address of chunk i % 8 of tile i / 8, so that lane l gets word l
     // of each (its B); its A, word l - 1 (wa), is the lane before's B, one shuffle a tile: 10
     // shared-memory instructions per k row of 8 tiles instead of 16 loads; then the A12 decode.
-    // 51 fewer instructions a unit of 32 tiles at CFG 10 (SASS); on an H100 0-2.6% faster products
-    // and 0.9% faster decode (csrc/PERF_NOTES.md, session 32). Not in the previous forms (variants
-    // 7, 8 and 22), the no-decode probe (1), or the self-prepping and in-warp chain kernels (off by
-    // default; the self-prepping one spilled with it at CFG 9).
+    // 51 fewer instructions a unit of 32 tiles at CFG 10 (SASS). On an H100: 2-3% faster at
+    // 14336x4096 and 4096x4096, ~0.9% slower at 8192x28672, a decode step 1-2% faster
+    // (csrc/PERF_NOTES.md, session 32). Not in the previous forms (variants 7, 8 and 22), the
+    // no-decode probe (1), or the self-prepping and in-warp chain kernels (off by default; the
+    // self-prepping one spilled with it at CFG 9).
     constexpr bool kLdsm = K == 4 && PATH == GV_I8 && CT % 4 == 0 && !SP && !CH && VAR != 1 && VAR != 7 &&
                            VAR != kGvVarA12 && VAR != kGvVarS31;
     const uint32_t smem_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem));
