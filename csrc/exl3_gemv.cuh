@@ -42,10 +42,11 @@ __device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src
 // 16 bits : B). State j is bits [28-4j, 44-4j) of H (the same states as state_at<4(j+1)>). Byte-
 // aligned windows are one PRMT against zero; the odd-nibble ones come from one funnel shift of
 // H by 4. 11 ALU ops for 8 states instead of 16.
-// A12 (debug variant 8 until a GPU has timed it): the two states that reach into A take A's low
-// 12 bits once (a12 = A & 0xfff) instead of one mask each: state 0 is then the funnel shift of
-// a12 : B alone (nothing above bit 15), state 1 one PRMT whose two top bytes are a12's zero byte 2.
-// 10 ALU ops, the same states.
+// A12: the two states that reach into A take A's low 12 bits once (a12 = A & 0xfff) instead of
+// one mask each: state 0 is then the funnel shift of a12 : B alone (nothing above bit 15), state 1
+// one PRMT whose two top bytes are a12's zero byte 2. 10 ALU ops, the same states. Shipped on the
+// integer path since session 32 (through lane_products_k4, with kLdsm); elsewhere debug variants
+// 8 and 39 (39, the block-shared kernel at 32 rows, measured the same as shipped).
 template <bool A12 = false>
 __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t st[8]) {
     const uint32_t V = __funnelshift_r(B, A, 4);  // H >> 4 (low 32 bits)
