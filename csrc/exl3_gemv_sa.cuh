@@ -29,8 +29,9 @@ namespace trellis {
 // unit at four groups too, as before session 28 (kSaTwoRows). Timing probes with wrong results:
 // CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail), CFG
 // 32 (variant 38) the atomics without the count and output stage (kSaNoFinish). CFG 64 (variant
-// 39): K = 4 states with A masked once (lane_states_k4's A12), the candidate shipped decode; CFG
-// 128 (variant 40): A12 with MUL1's byte sums by MMAs (mul1_f16_by_mma, kSaTcSum).
+// 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
+// speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
+// (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
