@@ -371,21 +371,6 @@ inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream) {
                       a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out);
 }
 
-// Tile decode of the fp16 path: the lane's 8 states of the tile at word `tile` of shared memory,
-// as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
-// RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it
-// per output.
-template <int K, int CB, bool RAW = false, bool A12 = false>
-__device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
-                                              uint32_t v[4]) {
-    static_assert(!RAW || CB == CB_MUL1, "only MUL1 has a raw decode");
-    uint32_t st[8];
-    gv_states<K, A12>(smem, tile, wa, wb, wc, shift, st);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-        v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
-}
-
 // MUL1's byte sums by the tensor cores (debug variants 21 and 40, kTcSum): the fp16 path's MUL1
 // decode spends an IDP4A a weight on t, the byte sum of x = s * M (decode_pair_mul1_raw). Two u8 x s8
 // MMAs make all 256 sums of a tile instead: their A is the integer path's (x[0], x[4], x[1], x[5]
@@ -418,6 +403,28 @@ __device__ __forceinline__ void mul1_f16_by_mma(const uint32_t x[8], Mul1SumSele
         const half2 k_bias = as_h2(0xC931C931u);
 #pragma unroll
         for (int q = 0; q < 4; ++q) v[q] = as_u32(__hfma2(as_h2(v[q]), k_inv, k_bias));
+    }
+}
+
+// Tile decode of the fp16 path: the lane's 8 states of the tile at word `tile` of shared memory,
+// as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
+// RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it
+// per output. TC (K = 4 MUL1): A12's products with their byte sums by MMAs (mul1_f16_by_mma, `sel`).
+template <int K, int CB, bool RAW = false, bool A12 = false, bool TC = false>
+__device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
+                                              uint32_t v[4], Mul1SumSelect sel = Mul1SumSelect(0)) {
+    static_assert(!RAW || CB == CB_MUL1, "only MUL1 has a raw decode");
+    static_assert(!TC || (K == 4 && CB == CB_MUL1), "byte sums by MMAs: K = 4 MUL1");
+    if constexpr (TC) {
+        uint32_t x[8];
+        lane_products_k4<true>(smem[tile + wa], smem[tile + wb], x);
+        mul1_f16_by_mma<RAW>(x, sel, v);
+    } else {
+        uint32_t st[8];
+        gv_states<K, A12>(smem, tile, wa, wb, wc, shift, st);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
     }
 }
 
@@ -943,12 +950,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     uint32_t v[4];
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
-                    } else if constexpr (kTcSum) {
-                        uint32_t x[8];
-                        lane_products_k4<true>(gv_smem[tile + wa], gv_smem[tile + wb], x);
-                        mul1_f16_by_mma<kRawMul1>(x, tc_select, v);
                     } else {
-                        gv_decode_f16<K, CB, kRawMul1, VAR == kGvVarA12>(gv_smem, tile, wa, wb, wc, shift, v);
+                        gv_decode_f16<K, CB, kRawMul1, VAR == kGvVarA12, kTcSum>(gv_smem, tile, wa, wb, wc, shift, v,
+                                                                                  tc_select);
                     }
                     if constexpr (VAR == 2) {
                         acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);
@@ -1062,6 +1066,24 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
     return launch_gemv_var<K, CB, PATH, NG, VAR, 0, SP, CH>(a, stream);
 }
 
+// A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
+// form kept for A/Bs that `variant` names where this path has it (debug variants 8 on every path,
+// 22 on the integer one, 21 on MUL1's fp16 one); a form the path lacks runs the shipped kernels.
+// Decode chains at split finish 5 come here too, so a whole decode step runs the form.
+template <int K, int CB, int PATH, int NG>
+cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
+    if constexpr (kDebugVariants && K == 4) {
+        if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
+        if constexpr (PATH == GV_I8) {
+            if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
+        }
+        if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
+            if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
+        }
+    }
+    return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
+}
+
 // Debug variants: 1-6 the timing probes (one-group shapes; 4-6 K = 4 MUL1 only), 10 + CFG an occupancy configuration
 // (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
@@ -1069,13 +1091,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path, one group of rows
         if constexpr (PATH == GV_I8 && NG == 1) {
             // gemv_split_finish 5: a plain product, then gv_finish_chain_kernel (launch_gv_finish)
-            if (gemv_split_finish() >= 5) {
-                if constexpr (kDebugVariants && K == 4) {  // the decode variants, for whole-model A/Bs
-                    if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
-                    if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
-                }
-                return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
-            }
+            if (gemv_split_finish() >= 5) return launch_gemv_schedule<K, CB, PATH, NG>(a, variant, stream);
             if (a.m != 1) return cudaErrorInvalidValue;  // the in-warp chain writes one row
             return launch_gemv_shipped<K, CB, PATH, NG, false, true>(a, false, stream);
         }
@@ -1098,15 +1114,7 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == 7) return launch_gemv_shipped<K, CB, PATH, NG, false, false, 7>(a, false, stream);
             }
         }
-        if constexpr (K == 4) {  // A masked once (lane_states_k4's A12): every codebook, path and group count
-            if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
-        }
-        if constexpr (K == 4 && PATH == GV_I8) {  // session 31's integer-path decode (two masks, word loads)
-            if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
-        }
-        if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_F16) {  // MUL1's byte sums by MMAs (fp16 path)
-            if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
-        }
+        if (variant != 0 && gv_shipped_schedule(variant)) return launch_gemv_schedule<K, CB, PATH, NG>(a, variant, stream);
         if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
             switch (variant) {
                 case 10: return launch_gemv_var<K, CB, PATH, NG, 0, 0>(a, stream);  // one k row per unit always

@@ -73,11 +73,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
     constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
-    const Mul1SumSelect tc_select(threadIdx.x & 31);
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 
     const int lane = threadIdx.x & 31;
+    const Mul1SumSelect tc_select(lane);
     const int warp = threadIdx.x >> 5;
     const int tk = in >> 4;
     const int tn = out >> 4;
@@ -214,14 +214,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
             for (int ct = 0; ct < CT; ++ct) {
                 uint32_t v[4];
-                if constexpr (kTcSum) {
-                    const int tile = stage + (kr * CT + ct) * TW;
-                    uint32_t x[8];
-                    lane_products_k4<true>(sa_smem[tile + wa], sa_smem[tile + wb], x);
-                    mul1_f16_by_mma<RAW>(x, tc_select, v);
-                } else {
-                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc, shift, v);
-                }
+                gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
+                                                                       shift, v, tc_select);
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
             }
