@@ -10,7 +10,8 @@
 # kernel, 16 on the per-warp fp16 path; whole-model decode at batch 1 and 4; ncu of the one-row
 # product under 0 / 8 / 22 (instructions executed, issue slots busy, pipe use).
 # SHORT=1: the variants' GPU tests only, not the suite. NO_DECODE=1 / NO_PRODUCTS=1: skip the
-# decode / the products. The whole script takes ~300 s on an H100.
+# decode / the products. NCU_SOURCE=1: the shipped product's stalls per SASS instruction
+# ($OUT/ncu_src.csv). The whole script takes ~300 s on an H100.
 [ -n "$SHORT" ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
 el() { echo $(( $(date +%s)-t0 )); }
@@ -43,8 +44,16 @@ echo "== ncu, one row of 8192x28672: variants 0 / 8 / 22 $(el)s" | tee -a $L
 for v in 0 8 22; do
   TRELLIS_GV_VARIANT=$v timeout 60 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section SchedulerStats --section ComputeWorkloadAnalysis --metrics smsp__inst_executed.sum \
-    python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu_v$v.txt 2>&1
+    python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > /tmp/ncu_v$v.txt 2>&1
   echo "variant $v" | tee -a $L
-  grep -E "Duration|Issue Slots Busy|Eligible Warps|No Eligible|inst_executed|ALU|FMA" $OUT/ncu_v$v.txt | head -12 | tee -a $L
+  grep -E "Duration|Issue Slots Busy|Eligible Warps|No Eligible|inst_executed|ALU|FMA" /tmp/ncu_v$v.txt | head -12 | tee -a $L
+  (echo "=== variant $v"; cat /tmp/ncu_v$v.txt) >> $OUT/ncu_variants.txt
 done
+if [ -n "$NCU_SOURCE" ]; then  # where the shipped one-row product's warps stall, per SASS instruction
+  echo "== ncu source counters, variant 0 $(el)s" | tee -a $L
+  timeout 120 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats -o /tmp/ncu_src -f python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu_src_log.txt 2>&1
+  timeout 60 ncu -i /tmp/ncu_src.ncu-rep --page source --csv --print-source sass > $OUT/ncu_src.csv 2>&1
+  echo "source page: $(wc -l < $OUT/ncu_src.csv) lines" | tee -a $L
+fi
 echo "== done $(el)s" | tee -a $L

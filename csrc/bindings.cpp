@@ -816,6 +816,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_mm_debug_variant", &trellis::set_mm_debug_variant, "timing probe (0 = normal)");
     m.def("set_pdl", &trellis::set_pdl, "programmatic dependent launch of the product (default on)");
     m.def("set_gemv_min_units", &trellis::set_gemv_min_units, "fewest units per warp of the product (default 8)");
+    m.def("set_gemv_grid_fill", &trellis::set_gemv_grid_fill,
+          "every resident block for a product grid the min-units cap leaves short: 0 never, 1 (default) where it "
+          "has more blocks than SMs, 2 always");
     m.def("set_gemv_four_row_units", &trellis::set_gemv_four_row_units,
           "k-row quads per resident warp from which a product takes four k rows per unit (0: never)");
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,

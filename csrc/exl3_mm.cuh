@@ -17,6 +17,7 @@
 // per call rather than once per column block) into shared memory while the first trellis stages
 // are already in flight.
 #pragma once
+#include <algorithm>
 #include <utility>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -219,12 +220,29 @@ inline int& gemv_finish_rows() {
     return v;
 }
 
+// Version-3 grid where the min-units cap leaves it short of full residency
+// (TRELLIS_GV_GRID_FILL): 0 the cap's grid as it comes (before session 33); 1 (default) every
+// resident block (minb per SM) where the cap gives more blocks than SMs but fewer than minb per
+// SM; 2 every resident block wherever the cap gives fewer (that has a unit to take). Why: on 132
+// SMs the cap gives Llama-3.1-8B's one-row q/k/v 192 blocks and its down projection 224, so 60
+// and 92 SMs hold two blocks and the rest one. Every resident block made those products 4.5% and
+// 6.4% faster on an H100 and decode 1.5% faster, but o_proj (128 blocks, one or none per SM)
+// 3.3% slower (csrc/PERF_NOTES.md, session 33), hence 1.
+inline int& gemv_grid_fill() {
+    static int v = 1;
+    return v;
+}
+
 // Version-3 grid: resident warps (minb blocks of 8 warps per SM), capped so that every warp has
-// at least gemv_min_units() units (8 unless a benchmark sets it).
+// at least gemv_min_units() units (8 unless a benchmark sets it), then gemv_grid_fill.
 inline long gv_blocks(long units, int minb, int num_sms) {
-    const long blocks = (long)minb * (num_sms > 0 ? num_sms : 132);
+    const long sms = num_sms > 0 ? num_sms : 132;
+    const long blocks = (long)minb * sms;
     const long by_units = (units / gemv_min_units() + 7) / 8;
-    return by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
+    const long b = by_units < blocks ? (by_units > 0 ? by_units : 1) : blocks;
+    const int fill = gemv_grid_fill();
+    if (b < blocks && (fill == 2 || (fill == 1 && b > sms))) return std::min(blocks, std::max(b, (units + 7) / 8));
+    return b;
 }
 
 // Version-3 launcher: a one-group product (1..8 rows) takes four k rows per unit (CFG 10) when it has at

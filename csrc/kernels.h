@@ -198,6 +198,7 @@ void set_pdl(bool enabled);
 bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
+void set_gemv_grid_fill(int mode);
 void set_gemv_two_row_units(int units);
 void set_gemv_four_row_units(int units);  // 0: never four k rows per unit
 // When products and decode attention let the kernel after them launch (PDL). Mode 1, at their

@@ -166,6 +166,34 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
 
 
 @pytest.fixture
+def grid_fill():
+    """Sets how a product's grid meets the SM count (gemv_grid_fill); restores the default after."""
+    yield ops.extension().set_gemv_grid_fill
+    ops.extension().set_gemv_grid_fill(ops.GV_GRID_FILL)
+
+
+@pytest.mark.parametrize("n_in,n_out", [(4096, 6144), (14336, 4096), (1024, 1536)])
+def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
+    """The three grid fills (the min-units cap's grid; every resident block where that leaves more
+    blocks than SMs; every resident block always) split the same product over different warps: on
+    132 SMs these shapes' one-row grids are 192, 224 and 12 blocks under the cap; fill 1 changes
+    the first two, fill 2 all three. Against the reference and each other (up to fp32 summation
+    order), integer path at 1 and 4 rows, fp16 path at 8."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=59, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    for rows, int8 in ((1, True), (4, True), (8, False)):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        ys = []
+        for fill in (0, 1, 2):
+            grid_fill(fill)
+            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
+            assert rel_rms(ys[-1], ref) < 2e-3, (rows, int8, fill, rel_rms(ys[-1], ref))
+        assert rel_rms(ys[1], ys[0]) < 1e-3 and rel_rms(ys[2], ys[0]) < 1e-3, (rows, int8)
+    assert workspaces_zero()
+
+
+@pytest.fixture
 def four_rows():
     """Sets from how many k-row quads per warp products take four k rows per unit; restores the
     default after the test."""
