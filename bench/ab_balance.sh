@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 33: how the products' work meets the SMs (TRELLIS_GV_GRID_FILL), one process per
 # setting, alternating; carry .devcarry/shared. ~230 s on an H100 with the GPU suite (SUITE=1),
-# ~130 s without (then the grid-fill test alone).
+# ~130 s without (then the grid-fill test alone). NO_PRODUCTS=1 leaves out the products' timing.
 #   0: the min-units cap's grid as it comes (before session 33); 1 (shipped): every resident block
 #   where the cap leaves more blocks than SMs but fewer than two per SM; 2: every resident block.
 # Shapes: Llama-3.1-8B's one-row decode products that the setting touches (q/k/v as one
@@ -16,8 +16,8 @@ el() { echo $(( $(date +%s)-t0 )); }
   2>&1 | grep -E "^(FAILED|ERROR)|^E  |passed|failed" | head -20 | tee -a $L
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee -a $L
 LIN="timeout 100 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --paths fused"
-echo "== products by grid fill $(el)s" | tee -a $L
-for f in 0 1 2; do
+[ -z "$NO_PRODUCTS" ] && echo "== products by grid fill $(el)s" | tee -a $L
+[ -z "$NO_PRODUCTS" ] && for f in 0 1 2; do
   TRELLIS_GV_GRID_FILL=$f $LIN --shapes 4096x6144 4096x4096 14336x4096 --m 1 2>&1 | python3 -c "$SUM" | grep "^linear" \
     | sed "s/^/fill $f /" | tee -a $L
 done
