@@ -198,6 +198,8 @@ void set_pdl(bool enabled);
 bool pdl_setting();
 // Fewest units per warp in the version-3 launcher (default 8; benchmarks sweep it).
 void set_gemv_min_units(int units);
+// Whether a product grid the min-units cap leaves short of two blocks per SM takes every resident
+// block: 0 never, 1 (default) where it has more blocks than SMs, 2 always.
 void set_gemv_grid_fill(int mode);
 void set_gemv_two_row_units(int units);
 void set_gemv_four_row_units(int units);  // 0: never four k rows per unit
