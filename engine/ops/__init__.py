@@ -109,15 +109,15 @@ GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
 # On the H200 Llama-3.1-8B's q/k/v and o_proj products ran 8% and 13% faster on that ring, and its
 # decode 2.7% faster (sessions 24 and 26, csrc/PERF_NOTES.md).
 GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
+# The most groups of rows a product may have and still take the rule above
+# (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
+# 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
+GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 # How a product's grid meets the SM count where the min-units cap leaves it short of two blocks
 # per SM (TRELLIS_GV_GRID_FILL): 0 as the cap gives it (before session 33), 1 (default) every
 # resident block where the cap gives between one and two per SM (Llama-3.1-8B's one-row q/k/v and
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = int(os.environ.get("TRELLIS_GV_GRID_FILL", "1") or 0)
-# The most groups of rows a product may have and still take the rule above
-# (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
-# 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
-GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
