@@ -11,7 +11,6 @@
 # csrc/PERF_NOTES.md); neither is here any more.
 [ -z "$SUITE" ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
-el() { echo $(( $(date +%s)-t0 )); }
 [ -z "$SUITE" ] && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_gpu.py::test_grid_fill_settings_give_the_same_product \
   2>&1 | grep -E "^(FAILED|ERROR)|^E  |passed|failed" | head -20 | tee -a $L
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee -a $L

@@ -14,7 +14,6 @@
 # ($OUT/ncu_src.csv). The whole script takes ~300 s on an H100.
 [ -n "$SHORT" ] && export SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
-el() { echo $(( $(date +%s)-t0 )); }
 if [ -n "$SHORT" ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_shared_gpu.py \
     tests/test_chain_gpu.py -k "decode_forms or split_between or every_row_group or decode_variants or row_sums" > $OUT/pytest_variants.txt 2>&1

@@ -1,10 +1,12 @@
-# The start every GPU-machine script shares (sourced by gpu_session.sh, gpu_tune.sh and
-# check_unrun.sh): the environment, the log ($OUT/log.txt as $L, seconds since $t0), the kernel
-# build, the GPU tests (full output in $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1), and
+# The start every GPU-machine script shares (sourced by gpu_session.sh, gpu_tune.sh,
+# check_unrun.sh and the ab_*.sh A/Bs): the environment, the log ($OUT/log.txt as $L, seconds
+# since $t0, which `el` prints), the kernel build, the GPU tests (full output in
+# $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1), and
 # $SUM, a one-line-per-row summary of bench.linear's JSON lines (other lines pass through).
 export TRELLIS_DEBUG_VARIANTS=1 PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
 L=$OUT/log.txt
 t0=$(date +%s)
+el() { echo $(( $(date +%s)-t0 )); }
 timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
 if [ -z "$SKIP_GPU_TESTS" ]; then  # SKIP_GPU_TESTS=1: a second call of a session, its tests already run
   echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
