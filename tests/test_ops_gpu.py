@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from engine import ops  # noqa: E402
+from engine.ops import token_pick  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from tests.gpu_layers import capture, kernel_names, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
 
@@ -1153,4 +1154,4 @@ def test_argmax_kernel_is_torch_argmax():
         assert got.dtype == torch.long and got.shape == x.shape[:-1]
         assert torch.equal(got, torch.argmax(x, dim=-1)), x.shape
     assert ops.argmax(torch.randn(50, device=DEV)).shape == ()
-    assert all(int(b.abs().sum()) == 0 for b in ops._argmax_scratch.values())  # left zero for the next call
+    assert all(int(b.abs().sum()) == 0 for b in token_pick._argmax_scratch.values())  # left zero for the next call

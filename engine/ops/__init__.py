@@ -6,7 +6,6 @@ The reference paths are the specification the kernels are tested against; they r
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 from contextlib import contextmanager
@@ -20,7 +19,10 @@ from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
 from engine.ops import dense_mlp as _dense_mlp
 from engine.ops import open_sums as _open
-from engine.ops.chain import ChainOut, Deferred, PreparedInput
+from engine.ops.chain import ChainOut, Deferred
+from engine.ops.attention import (PendingRope, capped_softmax_, decode_attention,  # noqa: F401 (re-exported)
+                                  decode_attention_serves, rope_qk, rope_qk_store)
+from engine.ops.token_pick import argmax, sample_top, sample_top_available, topk  # noqa: F401 (re-exported)
 from engine.ops.open_sums import OpenSums
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
@@ -349,7 +351,7 @@ _counters: dict = {}
 
 
 # ------------------------------------------------------------------------------------------
-# Attention
+# Attention settings (the ops: engine/ops/attention.py)
 
 # The decode attention kernel also does the step's RoPE and KV-cache write (PendingRope), so no
 # RoPE kernel runs between the q/k/v product and it: on by default; TRELLIS_ATTN_ROPE=0 keeps the
@@ -365,117 +367,6 @@ ATTN_HEAD_NORMS = os.environ.get("TRELLIS_ATTN_HEAD_NORMS", "1") != "0"
 # window, the more it saves). On by default (Gemma 2 decode at 7,680 slots 1.2% faster; session
 # 24); TRELLIS_ATTN_WINDOW=0 walks the whole span.
 ATTN_WINDOW = os.environ.get("TRELLIS_ATTN_WINDOW", "1") != "0"
-
-_attn_counters: dict = {}
-
-
-@dataclass
-class PendingRope:
-    """One decode token's RoPE and KV-cache write, left to the attention kernel: q [B, H, 1, D]
-    unrotated (a view of the projection), keys / values the cache's span [B, Hkv, S, D] that the
-    token's slot `position` (long [1] on the device) is in, k_new / v_new [B, 1, Hkv, D] the
-    token's projections, cos / sin [1, D]. `head_norms` (Qwen3, Gemma 3): the q and k norms
-    (models.layers.RMSNorm) that come before the RoPE, left to the kernel too; q and k_new are
-    then their inputs. `window`: the layer's sliding window, whose slots are then all the kernel
-    walks (ATTN_WINDOW; the mask must hide the others). Whoever holds one must run
-    decode_attention with it, or apply() it, before anything reads q or the cache."""
-
-    q: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    k_new: torch.Tensor
-    v_new: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    position: torch.Tensor
-    head_norms: "tuple[torch.nn.Module, torch.nn.Module] | None" = None
-    window: int | None = None  # the layer's sliding window: the token sees slots position - window < j
-
-    def serves(self, mask: torch.Tensor | None) -> bool:
-        """Whether the attention kernel takes this token's RoPE and cache write along with the
-        attention (the RoPE kernel's layouts and the attention kernel's)."""
-        if self.window and mask is None:  # the window walk leaves the slots past the token to the mask
-            return False
-        return (ATTN_ROPE and _decode_attention_serves(self.q, self.keys, self.values, mask)
-                and _rope_kernel_serves(self.cos, self.sin, self.q.transpose(1, 2), self.k_new, self.v_new)
-                and self.k_new.stride() == self.v_new.stride() and self.k_new.data_ptr() % 16 == 0
-                and self.v_new.data_ptr() % 16 == 0 and self.position.is_cuda and self.position.numel() == 1
-                and self._norms_serve())
-
-    def _norms_serve(self) -> bool:
-        if self.head_norms is None:
-            return True
-        qn, kn = self.head_norms
-        if not ATTN_HEAD_NORMS:
-            return False
-        D = self.q.shape[-1]
-        # the kernel's head-normed variant is built for Qwen3's and Gemma 3's head dims, uncapped
-        return D in (128, 256) and qn.eps == kn.eps and all(
-            w.is_cuda and w.dtype == torch.float16 and w.is_contiguous() and w.numel() == D and w.device == self.q.device
-            for w in (qn.kernel_weight, kn.kernel_weight))
-
-    def tensors(self) -> list[torch.Tensor]:
-        norms = [] if self.head_norms is None else [n.kernel_weight for n in self.head_norms]
-        return [self.k_new, self.v_new, self.cos.reshape(-1), self.sin.reshape(-1), self.position, *norms]
-
-    def norm_eps(self) -> float:
-        return 0.0 if self.head_norms is None else float(self.head_norms[0].eps)
-
-    def apply(self) -> torch.Tensor:
-        """The head norms, RoPE and the cache write on their own (their kernels, or PyTorch ops):
-        the rotated q [B, H, 1, D], for an attention that does none of them."""
-        q, k = self.q.transpose(1, 2), self.k_new
-        if self.head_norms is not None:
-            q, k = self.head_norms[0](q), self.head_norms[1](k)
-        q, _ = rope_qk_store(q, k, self.v_new, self.cos, self.sin, self.keys, self.values, self.position)
-        return q.transpose(1, 2)
-
-
-def _decode_attention_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Shapes and layouts the decode-attention kernel takes (everything else stays on SDPA)."""
-    if not (ATTN_KERNEL and q.dim() == 4 and k.dim() == 4 and q.shape[2] == 1 and _use_cuda(q, k, v, mask)):
-        return False
-    B, H, _, D = q.shape
-    if D not in (64, 128, 256) or k.shape != v.shape or k.stride() != v.stride() or k.shape[0] != B:
-        return False
-    if k.shape[3] != D or H % k.shape[1] or q.stride(3) != 1 or k.stride(3) != 1:
-        return False
-    dl = D // 32
-    for t in (q, k):
-        if t.data_ptr() % (2 * dl) or t.stride(0) % dl or t.stride(1) % dl or (t.shape[2] > 1 and t.stride(2) % dl):
-            return False
-    if v.data_ptr() % (2 * dl):
-        return False
-    if mask is not None:
-        if mask.dim() != 2 or mask.shape[0] not in (1, B) or mask.shape[1] != k.shape[2] or mask.stride(1) != 1:
-            return False
-    return True
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, chain: "tuple[PreparedInput, torch.Tensor] | None" = None,
-                     rope: PendingRope | None = None, softcap: float | None = None) -> torch.Tensor | None:
-    """softmax(scale q.k + mask) v for one query per sequence: q [B, H, 1, D], k, v [B, Hkv, S, D]
-    (grouped heads read in place), mask additive [1 or B, S] or None. With `rope` (whose q, keys
-    and values these are, rope.serves(mask) checked) the kernel first rotates q and writes the
-    token's k and v into the cache. `softcap` (Gemma 2): each score s becomes
-    softcap * tanh(s / softcap) before the mask. None when the kernel does not take these tensors;
-    the caller then runs its own path (models/layers.attention)."""
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"decode_attention: softcap must be a positive finite number, not {softcap}")
-    if rope is not None:
-        if not (q is rope.q and k is rope.keys and v is rope.values and rope.serves(mask)):
-            raise ValueError("decode_attention: a pending RoPE goes with its own q, keys and values, in a layout the kernel takes")
-    elif not _decode_attention_serves(q, k, v, mask):
-        return None
-    # One completion counter per block row of the kernel (batch x kv head x group of up to 4
-    # query heads): B x H is always enough.
-    counters = _zeroed(_attn_counters, q.device, q.shape[0] * q.shape[1], 1024, torch.int32)
-    nxt = [] if chain is None else [chain[0].xb, chain[0].scales, chain[0].csum, chain[1]]
-    window = rope.window if rope is not None and ATTN_WINDOW and rope.window else 0
-    return extension().decode_attention(q, k, v, mask, float(scale), float(softcap or 0.0), counters, nxt,
-                                        [] if rope is None else rope.tensors(),
-                                        0.0 if rope is None else rope.norm_eps(), int(window))
 
 
 # ------------------------------------------------------------------------------------------
@@ -812,27 +703,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(s, weight, eps), s
 
 
-def capped_softmax_(scores: torch.Tensor, softcap: float, mask: torch.Tensor | None, q0: int) -> bool:
-    """Gemma 2's attention probabilities in place where the kernel takes them: scores [..., t, S]
-    (scale / softcap times q.k) become softmax(mask(softcap * tanh(scores))), rounded as
-    capped_attention's passes round them; mask bool [T or 1, S] (the chunk's queries are rows q0 ..
-    q0 + t - 1) or None. False (scores untouched) where it does not serve: the caller runs the
-    passes."""
-    if not (CAPPED_SOFTMAX and _use_cuda(scores) and scores.dim() >= 2 and scores.is_contiguous()
-            and scores.numel() > 0):
-        return False
-    S, t = scores.shape[-1], scores.shape[-2]
-    if mask is not None and not (mask.dtype == torch.bool and mask.dim() == 2 and mask.shape[-1] == S and mask.is_cuda
-                                 and (mask.shape[0] == 1 or q0 + t <= mask.shape[0]) and mask.stride(-1) == 1):
-        return False
-    ext = extension()
-    with torch.cuda.device(scores.device):  # the row limit is the scores' device's
-        if S > ext.capped_softmax_max_len():
-            return False
-    ext.capped_softmax_(scores, float(softcap), mask, int(q0))
-    return True
-
-
 @dataclass
 class PendingNorm:
     """rms_norm(x + residual) * weight (residual optional), not computed yet. A grouped product on
@@ -913,50 +783,10 @@ def as_sum(p: PendingNorm) -> torch.Tensor:
     return p.sum
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, -1): one kernel on CUDA (greedy decoding's pick, once a token from 128k
-    logits, where torch's reduce takes two launches and ~30 us)."""
-    if (x.is_cuda and x.dim() >= 1 and x.dtype in (torch.float32, torch.float16) and x.numel() > 0
-            and x.shape[-1] < 2**31 and x.numel() // x.shape[-1] < 65536 and _kernels_ready()):
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        scratch = _zeroed(_argmax_scratch, x.device, 2 * rows.shape[0], 128, torch.int64)
-        return extension().argmax_rows(rows, scratch).reshape(x.shape[:-1])
-    return torch.argmax(x, dim=-1)
-
-
-_argmax_scratch: dict = {}
-
-
 # The sampler's top-k (k <= 64) by our two-launch kernel (csrc/token_pick.cu, topk_small) instead
 # of torch.topk (~58 us for one 128k row on the H200); TRELLIS_TOPK=torch keeps torch's, for a
 # same-run comparison.
 TOPK_KERNEL = os.environ.get("TRELLIS_TOPK", "kernel").lower() != "torch"
-
-
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, k) of a 1-d vector: (values, indices), largest first. On a GPU with the
-    kernels, for fp32 and k <= 64 (the kernel's limits: topk_small_serves), two small launches;
-    ties then go to the lower index (torch.topk leaves their order open) and NaN counts as the
-    largest value, as in torch.topk."""
-    if (TOPK_KERNEL and x.is_cuda and x.dim() == 1 and x.dtype == torch.float32 and _kernels_ready()
-            and extension().topk_small_serves(x.numel(), k)):
-        vals, ids = extension().topk_small(x.contiguous(), k)
-        return vals, ids
-    return torch.topk(x, k)
-
-
-def sample_top_available(logits: torch.Tensor) -> bool:
-    """Whether sample_top can serve a draw from these logits (fp32 on a GPU with the kernels)."""
-    return logits.is_cuda and logits.dtype == torch.float32 and _kernels_ready()
-
-
-def sample_top(vals: torch.Tensor, ids: torch.Tensor, top: torch.Tensor, z: torch.Tensor | None,
-               top_p: float, min_p: float, u: torch.Tensor) -> torch.Tensor:
-    """engine.generate.sampling.choose's steps after top-k, as one kernel (its caller checks
-    sample_top_available, so everything here is fp32 and fresh from topk): int64 [3] (token, widen, bad)."""
-    return extension().sample_top(vals, ids, top, z, float(top_p), float(min_p), u)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -978,47 +808,6 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.
     return g * up
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotary embedding on q [B, T, Hq, D] and k [B, T, Hk, D] (the layout the projections
-    produce), cos/sin [T, D]. On the GPU one kernel rotates both in place (they are fresh
-    projection outputs), rounding like the PyTorch ops, which otherwise cost ten launches."""
-    if _rope_kernel_serves(cos, sin, q, k):
-        extension().rope_qk(q, k, cos, sin, None, None, None, None)
-        return q, k
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-
-    def rot(t):
-        h = t.shape[-1] // 2
-        return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-    return q * c + rot(q) * s, k * c + rot(k) * s
-
-
-def _rope_kernel_serves(cos: torch.Tensor, sin: torch.Tensor, *heads: torch.Tensor) -> bool:
-    """Whether the RoPE kernel takes these: fp16 CUDA, each of `heads` (q, k, v) [B, T, H, D] with
-    its heads contiguous, cos/sin contiguous [T, D]."""
-    T, D = heads[0].shape[1], heads[0].shape[-1]
-    return (GLUE_KERNELS and _use_cuda(cos, sin, *heads)
-            and all(t.dim() == 4 and t.stride(-1) == 1 and t.stride(-2) == D for t in heads)
-            and cos.shape == (T, D) and cos.is_contiguous() and sin.is_contiguous())
-
-
-def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor):
-    """rope_qk, then this step's k (rotated) and v [B, T, Hk, D] stored in the caches
-    [B, Hk, slots, D] at slots position .. position + T - 1 (`position`: a long [1] on the device,
-    so a CUDA graph can replay it). On the GPU one kernel does all of it, instead of three."""
-    if (_rope_kernel_serves(cos, sin, q, k, v) and _use_cuda(k_cache, v_cache) and k_cache.stride(-1) == 1
-            and k_cache.stride() == v_cache.stride() and position.is_cuda):
-        extension().rope_qk(q, k, cos, sin, v, k_cache, v_cache, position)
-        return q, k
-    q, k = rope_qk(q, k, cos, sin)
-    slots = position + torch.arange(k.shape[1], device=position.device)
-    k_cache.index_copy_(2, slots, k.transpose(1, 2))
-    v_cache.index_copy_(2, slots, v.transpose(1, 2))
-    return q, k
-
-
 # Decode chains (engine/ops/chain.py) and the prefill MLP's hand-off (dense_mlp.py), for the models.
 defer_linear = _chain.defer_linear
 gated_chain = _chain.gated_chain
@@ -1029,9 +818,10 @@ __all__ = [
     "exl3_gemm", "exl3_linear", "exl3_gemm_group", "exl3_linear_group", "EXL3Group", "join_linears",
     "can_group", "defer_linear", "gated_chain", "attention_into_chain", "dense_gated_mlp", "Deferred",
     "exl3_reconstruct",
-    "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope",
+    "OpenSums", "open_linear", "open_linear_group", "workspaces", "PendingRope", "decode_attention",
     "hadamard128", "rms_norm", "add_rms_norm",
-    "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "kernels_available", "kernels_enabled",
+    "residual_add", "gated_act", "GATED_ACTIVATIONS", "rope_qk", "rope_qk_store", "capped_softmax_",
+    "argmax", "topk", "sample_top", "sample_top_available", "kernels_available", "kernels_enabled",
     "kernel_status", "KernelStatus", "kernels_settled",
     "extension",
 ]

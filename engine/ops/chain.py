@@ -164,7 +164,7 @@ def attention_into_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     B, H, T, D = q.shape
     n = H * D
     if not (B == 1 and T == 1 and D in (128, 256) and _takes_prepared(o, n, q.device, "attn")
-            and ops._decode_attention_serves(q, k, v, mask)
+            and ops.decode_attention_serves(q, k, v, mask)
             and (D == 128 or (ops.ATTN_CHAIN_D256 and ops.extension().decode_attention_chain_serves(k, v)))):
         return None
     target = PreparedInput.empty(1, n, q.device)
