@@ -1,6 +1,6 @@
 """Float32 emulation of the two summation orders behind decode attention's per-head q/k norm
 (head_rms_norm in csrc/decode_attention.cu), which promises the bits of rms_norm_kernel
-(csrc/exl3_misc.cu) at n = head dim:
+(csrc/hadamard_norm.cu) at n = head dim:
 
 - rms_norm_kernel: 128 threads, thread t holds the pair t (its x*x + y*y, fused as
   pair_square_sum rounds it), each warp sums by an xor butterfly, then the block's 4 warp sums go
