@@ -68,7 +68,7 @@ if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT not in (7, 8):
 GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "5") or 5)
 # At 5, the chain finish kernel reads what kernels before its product wrote (the input's row sums,
 # the residual) before its PDL wait, so that after the wait only the product's sums are a round trip
-# away (csrc/exl3_gemv.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
+# away (csrc/exl3_gemv_finish.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
 # it, as first written (a same-run baseline).
 FINISH_EARLY_READS = os.environ.get("TRELLIS_FINISH_EARLY_READS", "1") != "0"
 
