@@ -1,5 +1,6 @@
-// The 128-point Hadamards (a product's output transform, prefill's input and output transforms)
-// and RMSNorm, which share the tile machinery: norm_had128 norms and transforms a row in one pass.
+// The 128-point Hadamards (over a product's fp32 workspace, and prefill's input and output
+// transforms) and RMSNorm, kept together because norm_had128 norms and transforms rows in one pass
+// on the Hadamard tiles.
 #include <math.h>
 
 #include <initializer_list>
