@@ -1,6 +1,6 @@
 // The 128-point Hadamards (over a product's fp32 workspace, and prefill's input and output
-// transforms) and RMSNorm, kept together because norm_had128 norms and transforms rows in one pass
-// on the Hadamard tiles.
+// transforms) and RMSNorm, kept together because norm_had128 (a grouped product's normed inputs at
+// prefill) applies the norm kernel's 1 / rms inside the Hadamard tile kernel.
 #include <math.h>
 
 #include <initializer_list>
