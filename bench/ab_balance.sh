@@ -23,12 +23,7 @@ done
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode by grid fill $(el)s" | tee -a $L
-for pass in 1 2; do
-  for f in 0 1; do
-    TRELLIS_GV_GRID_FILL=$f timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 96 --batch 1 \
-      --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/fill $f /" | tee -a $L
-  done
-done
+decode_by_setting TRELLIS_GV_GRID_FILL fill 0 1
 for f in 0 1; do
   TRELLIS_GV_GRID_FILL=$f timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 64 --batch 4 \
     --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/fill $f /" | tee -a $L

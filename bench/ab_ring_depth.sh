@@ -25,10 +25,5 @@ done
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode, batch 1, TRELLIS_GV_ONE_ROW_RING 0 / 1, twice $(el)s" | tee -a $L
-for pass in 1 2; do
-  for r in 0 1; do
-    TRELLIS_GV_ONE_ROW_RING=$r timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 96 --batch 1 \
-      --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/ring $r /" | tee -a $L
-  done
-done
+decode_by_setting TRELLIS_GV_ONE_ROW_RING ring 0 1
 echo "== done $(el)s" | tee -a $L
