@@ -200,7 +200,8 @@ def _gemv_cfgs(fn) -> set[str]:
 @pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 28672)])
 def test_one_row_ring_setting_takes_cfg16_at_one_row(n_in, n_out, one_row_ring):
     """With gemv_one_row_ring on, a one-row integer product that takes CFG 10 takes CFG 16 instead
-    and gives the same product; two rows keep CFG 10 (CFG 16's activations hold one row)."""
+    (and gemv_plan says so) and gives the same product; two rows keep CFG 10 (CFG 16's activations
+    hold one row)."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=29, bias=True)
     x1 = torch.randn(1, n_in, device=DEV).half()
     x2 = torch.randn(2, n_in, device=DEV).half()
@@ -211,6 +212,9 @@ def test_one_row_ring_setting_takes_cfg16_at_one_row(n_in, n_out, one_row_ring):
     one_row_ring(1)
     assert _gemv_cfgs(lambda: gemm(x1)) == {"16, false, false"}
     assert _gemv_cfgs(lambda: gemm(x2)) == {"10, false, false"}
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    plan = lambda rows: ops.extension().gemv_plan(4, True, rows, False, False, n_in, n_out, sms)[0]  # noqa: E731
+    assert (plan(1), plan(2)) == (16, 10)  # the host's plan names what runs
     y1, z1 = gemm(x1), gemm(x2)
     ref = fmt.exl3_matmul_reference(x1.float(), t, fmt.reconstruct(t.trellis, "mul1"))
     assert rel_rms(y1, ref) < 2e-3
