@@ -24,8 +24,5 @@ M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode by grid fill $(el)s" | tee -a $L
 decode_by_setting TRELLIS_GV_GRID_FILL fill 0 1
-for f in 0 1; do
-  TRELLIS_GV_GRID_FILL=$f timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 64 --batch 4 \
-    --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/fill $f /" | tee -a $L
-done
+DECODE_BATCH=4 DECODE_TOKENS=64 DECODE_PASSES=1 decode_by_setting TRELLIS_GV_GRID_FILL fill 0 1
 echo "== done $(el)s" | tee -a $L

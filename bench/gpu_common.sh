@@ -2,7 +2,7 @@
 # check_unrun.sh and the ab_*.sh A/Bs): the environment, the log ($OUT/log.txt as $L, seconds
 # since $t0, which `el` prints), the kernel build, the GPU tests (full output in
 # $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1), decode_by_setting (an A/B of one setting on
-# batch-1 decode), and
+# whole-model decode), and
 # $SUM, a one-line-per-row summary of bench.linear's JSON lines (other lines pass through).
 export TRELLIS_DEBUG_VARIANTS=1 PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
 L=$OUT/log.txt
@@ -19,15 +19,17 @@ for l in sys.stdin:
   except Exception: print(l.strip()); continue
   if "us" in r: print(r["bench"],r.get("variant",""),r["path"],r["shape"],r["codebook"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r["reference_ratio_vs_fp16"],"GBps",r["trellis_GBps"],"check",r.get("check_rel_rms"))
   else: print(l.strip())'
-# Whole-model decode at batch 1 (synthetic Llama-3.1-8B shapes at $M, context 0, CUDA graphs) under
-# each value of one environment setting, one process per value, alternating, two passes:
-#   decode_by_setting NAME LABEL VALUE...   (each line prefixed "LABEL VALUE")
+# Whole-model decode (synthetic Llama-3.1-8B shapes at $M, context 0, CUDA graphs) under each value
+# of one environment setting, one process per value, alternating; batch 1, 96 tokens, two passes
+# unless DECODE_BATCH, DECODE_TOKENS or DECODE_PASSES say otherwise:
+#   [DECODE_BATCH=4 ...] decode_by_setting NAME LABEL VALUE...   (each line prefixed "LABEL VALUE")
 decode_by_setting() {
   local name=$1 label=$2; shift 2
-  for pass in 1 2; do
+  for pass in $(seq ${DECODE_PASSES:-2}); do
     for v in "$@"; do
-      env "$name=$v" timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 96 --batch 1 \
-        --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/$label $v /" | tee -a $L
+      env "$name=$v" timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens ${DECODE_TOKENS:-96} \
+        --batch ${DECODE_BATCH:-1} --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 \
+        | sed "s/^/$label $v /" | tee -a $L
     done
   done
 }
