@@ -819,8 +819,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_grid_fill", &trellis::set_gemv_grid_fill,
           "every resident block for a product grid the min-units cap leaves short: 0 never, 1 (default) where it "
           "has more blocks than SMs, 2 always");
-    m.def("set_gemv_one_row_ring", &trellis::set_gemv_one_row_ring,
-          "one-row integer products that would take CFG 10 take its three-stage form, CFG 16 (0 default: no)");
     m.def("set_gemv_four_row_units", &trellis::set_gemv_four_row_units,
           "k-row quads per resident warp from which a product takes four k rows per unit (0: never)");
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,

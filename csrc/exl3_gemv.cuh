@@ -813,11 +813,8 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
 // Where shared memory is short, the compact configuration (gv_pick, exl3_gemv_geom.cuh).
 template <int K, int CB, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
 cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stream) {
-    const GvPick pick = gv_pick<K, PATH, NG, SP, CH, VAR>(a.in, a.out, a.num_sms, one_row, device_smem_limits(), a.m);
+    const GvPick pick = gv_pick<K, PATH, NG, SP, CH, VAR>(a.in, a.out, a.num_sms, one_row, device_smem_limits());
     if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (gv_shipped_schedule(VAR) || VAR == 7)) {
-        if constexpr (PATH == GV_I8) {  // gemv_one_row_ring: CFG 10's three-stage form at one row
-            if (pick.cfg == kGvOneRowCfg) return launch_gemv_var<K, CB, PATH, NG, VAR, kGvOneRowCfg, SP, CH>(a, stream);
-        }
         if (pick.cfg == 10) return launch_gemv_var<K, CB, PATH, NG, VAR, 10, SP, CH>(a, stream);
     }
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {

@@ -199,15 +199,14 @@ inline int& gemv_lean_groups() {
 // only where it fits as the setting asks (gemv_compact); then the compact one, which small
 // products take in place of CFG 0 (gemv_lean_units). Debug variants
 // keep the shipped rings (gv_shipped_schedule: all of the shipped choices). one_row: debug
-// variant 10, CFG 0 everywhere. rows (0: not known): a one-row integer product that would take
-// CFG 10 takes CFG 16 where gemv_one_row_ring asks and two of its blocks fit.
+// variant 10, CFG 0 everywhere.
 struct GvPick {
     int cfg;
     int smem_bytes;
     int blocks_per_sm;  // at most 2, the blocks per SM the grid is sized for
 };
 template <int K, int PATH, int NG, bool SP, bool CH = false, int VAR = 0>
-GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim, int rows = 0) {
+GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim) {
     static_assert(SP || gv_has_compact<K, PATH, NG, SP>() || gv_smem_words<K, PATH, NG, 0, SP>() * 4 <= kGvCompactBytes,
                   "every product without self prep fits two blocks in 100 KB one way or the other");
     const int mode = gv_shipped_schedule(VAR) ? gemv_compact() : kGvCompactNever;
@@ -221,13 +220,7 @@ GvPick gv_pick(int in, int out, int num_sms, bool one_row, const SmemLimits& lim
     };
     if constexpr (NG == 1 && K <= kGvFourRowMaxK && !SP && !CH && (gv_shipped_schedule(VAR) || VAR == 7)) {
         constexpr int w = gv_smem_words<K, PATH, NG, 10, SP>();
-        if (!one_row && gv_four_rows(in, out, K, num_sms) && fits(w)) {
-            if constexpr (PATH == GV_I8) {
-                constexpr int w16 = gv_smem_words<K, PATH, NG, kGvOneRowCfg, SP>();
-                if (rows == 1 && gemv_one_row_ring() && gv_fits(4L * w16, 2, lim)) return pick(kGvOneRowCfg, w16);
-            }
-            return pick(10, w);
-        }
+        if (!one_row && gv_four_rows(in, out, K, num_sms) && fits(w)) return pick(10, w);
     }
     if constexpr (NG == 1 && K <= kGvTwoRowMaxK) {
         constexpr int w = gv_smem_words<K, PATH, NG, 9, SP>();

@@ -220,29 +220,28 @@ static R with_k(int K, R none, F&& f) {
 // gv_pick for a K, path and group count known only at run time (the host's checks below, and the
 // binding that shows the tests what a product would take on another GPU).
 template <int K>
-static GvPick gemv_pick_k(int path, int ng, bool sp, bool ch, int in, int out, int num_sms, const SmemLimits& lim,
-                          int rows) {
+static GvPick gemv_pick_k(int path, int ng, bool sp, bool ch, int in, int out, int num_sms, const SmemLimits& lim) {
     if (path == GV_I8) {
         if (ng == 2) return gv_pick<K, GV_I8, 2, false>(in, out, num_sms, false, lim);
         if (sp) return gv_pick<K, GV_I8, 1, true>(in, out, num_sms, false, lim);
         if (ch) return gv_pick<K, GV_I8, 1, false, true>(in, out, num_sms, false, lim);
-        return gv_pick<K, GV_I8, 1, false>(in, out, num_sms, false, lim, rows);
+        return gv_pick<K, GV_I8, 1, false>(in, out, num_sms, false, lim);
     }
     if (ng == 4) return gv_pick<K, GV_F16, 4, false>(in, out, num_sms, false, lim);
     if (ng == 2) return gv_pick<K, GV_F16, 2, false>(in, out, num_sms, false, lim);
     return gv_pick<K, GV_F16, 1, false>(in, out, num_sms, false, lim);
 }
 static GvPick gemv_pick(int K, int path, int ng, bool sp, bool ch, int in, int out, int num_sms,
-                        const SmemLimits& lim, int rows = 0) {
+                        const SmemLimits& lim) {
     return with_k(K, GvPick{0, 0, 0}, [&](auto k) {
-        return gemv_pick_k<decltype(k)::value>(path, ng, sp, ch, in, out, num_sms, lim, rows);
+        return gemv_pick_k<decltype(k)::value>(path, ng, sp, ch, in, out, num_sms, lim);
     });
 }
 int gemv_plan(int K, bool int8, int rows, bool self_prep, bool chain, int in, int out, int num_sms, int per_block,
                int per_sm, int reserved, int& cfg, int& smem_bytes) {
     const SmemLimits lim = per_block > 0 ? SmemLimits{per_block, per_sm, reserved} : device_smem_limits();
     const GvPick p = gemv_pick(K, int8 ? GV_I8 : GV_F16, gemv_groups(rows, int8), int8 && self_prep, int8 && chain,
-                               in, out, num_sms, lim, rows);
+                               in, out, num_sms, lim);
     cfg = p.cfg;
     smem_bytes = p.smem_bytes;
     return p.blocks_per_sm;
@@ -308,7 +307,6 @@ bool debug_variant_in_build(int variant) { return debug_variant_built(variant); 
 void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactTwoBlocks; }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_grid_fill(int mode) { gemv_grid_fill() = mode >= 0 && mode <= 2 ? mode : 1; }
-void set_gemv_one_row_ring(int mode) { gemv_one_row_ring() = mode == 1 ? 1 : 0; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 void set_gemv_lean_units(int units) { gemv_lean_units() = units > 0 ? units : 0; }

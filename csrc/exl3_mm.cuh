@@ -232,14 +232,6 @@ inline int& gemv_grid_fill() {
     static int v = 1;
     return v;
 }
-// One-row integer products that would take CFG 10 take debug CFG 16 instead (TRELLIS_GV_ONE_ROW_RING
-// = 1; default 0): a third ring stage, room made by the activations of one row (exl3_gemv_geom.cuh,
-// kGvOneRowCfg), where two such blocks fit on an SM. Decode chains follow it too, so a whole
-// decode step can be timed with it. Written in session 34, not yet run on a GPU.
-inline int& gemv_one_row_ring() {
-    static int v = 0;
-    return v;
-}
 
 // Version-3 grid: resident warps (minb blocks of 8 warps per SM), capped so that every warp has
 // at least gemv_min_units() units (8 unless a benchmark sets it), then gemv_grid_fill.

@@ -346,26 +346,3 @@ def test_model_decode_with_the_decode_variants_matches_shipped(tmp_path, request
     for a, b in zip(got, want):
         rel = rel_rms(a, b)
         assert rel < 1e-2, rel
-
-
-def test_gated_chain_with_the_one_row_ring(chains):
-    """With gemv_one_row_ring on, a decode chain's one-row products that take CFG 10 take its
-    three-stage form (CFG 16) through the finish kernel, and the chain gives the same output."""
-    hidden, inter, seed = 4096, 14336, 77
-    gate, up = rand_layer(hidden, inter, 4, seed), rand_layer(hidden, inter, 4, seed + 1, bias=True)
-    down = rand_layer(inter, hidden, 4, seed + 2, bias=True)
-    g = ops.join_linears([gate, up])
-    x = (torch.randn(1, 1, hidden, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)) / 4).half()
-    _set_split(FINISH_KERNEL)
-    ext = ops.extension()
-    try:
-        want = ops.gated_chain(x, g, down, "silu", hidden).clone()
-        ext.set_gemv_one_row_ring(1)
-        names = kernel_names(lambda: ops.gated_chain(x, g, down, "silu", hidden))
-        got = ops.gated_chain(x, g, down, "silu", hidden)
-    finally:
-        ext.set_gemv_one_row_ring(ops.GV_ONE_ROW_RING)
-        _restore_split()
-    assert any("exl3_gemv_kernel<" in n and ", 16, false, false>" in n for n in names), names
-    assert rel_rms(got.reshape(1, -1), want.reshape(1, -1)) < 5e-4
-    _zero_state()

@@ -185,44 +185,6 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
 
 
 @pytest.fixture
-def one_row_ring():
-    """Sets whether one-row integer products take CFG 10's three-stage form (gemv_one_row_ring);
-    restores the configured one after."""
-    yield ops.extension().set_gemv_one_row_ring
-    ops.extension().set_gemv_one_row_ring(ops.GV_ONE_ROW_RING)
-
-
-def _gemv_cfgs(fn) -> set[str]:
-    """The (CFG, SP, CH) template arguments of the per-warp product kernels fn() launches."""
-    return {n.split("exl3_gemv_kernel<")[1].split(">")[0].split(", ", 5)[5] for n in kernels_run(fn, "exl3_gemv_kernel<")}
-
-
-@pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 28672)])
-def test_one_row_ring_setting_takes_cfg16_at_one_row(n_in, n_out, one_row_ring):
-    """With gemv_one_row_ring on, a one-row integer product that takes CFG 10 takes CFG 16 instead
-    (and gemv_plan says so) and gives the same product; two rows keep CFG 10 (CFG 16's activations
-    hold one row)."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=29, bias=True)
-    x1 = torch.randn(1, n_in, device=DEV).half()
-    x2 = torch.randn(2, n_in, device=DEV).half()
-    gemm = lambda x: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)  # noqa: E731
-    one_row_ring(0)
-    assert _gemv_cfgs(lambda: gemm(x1)) == {"10, false, false"}  # the shape's shipped configuration
-    y0, z0 = gemm(x1), gemm(x2)
-    one_row_ring(1)
-    assert _gemv_cfgs(lambda: gemm(x1)) == {"16, false, false"}
-    assert _gemv_cfgs(lambda: gemm(x2)) == {"10, false, false"}
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    plan = lambda rows: ops.extension().gemv_plan(4, True, rows, False, False, n_in, n_out, sms)[0]  # noqa: E731
-    assert (plan(1), plan(2)) == (16, 10)  # the host's plan names what runs
-    y1, z1 = gemm(x1), gemm(x2)
-    ref = fmt.exl3_matmul_reference(x1.float(), t, fmt.reconstruct(t.trellis, "mul1"))
-    assert rel_rms(y1, ref) < 2e-3
-    assert rel_rms(y1, y0) < 1e-3 and rel_rms(z1, z0) < 1e-3
-    assert workspaces_zero()
-
-
-@pytest.fixture
 def grid_fill():
     """Sets how a product's grid meets the SM count (gemv_grid_fill); restores the default after."""
     yield ops.extension().set_gemv_grid_fill

@@ -120,11 +120,6 @@ GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
 # resident block where the cap gives between one and two per SM (Llama-3.1-8B's one-row q/k/v and
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = int(os.environ.get("TRELLIS_GV_GRID_FILL", "1") or 0)
-# One-row integer products that would take four k rows per unit and two ring stages (CFG 10) take
-# a third stage instead, its room made by one row's activations (TRELLIS_GV_ONE_ROW_RING=1; default
-# 0; decode chains too). Written after ncu put a fifth of the one-row product's warp time on the
-# wait for its next stage (session 34); not yet run on a GPU.
-GV_ONE_ROW_RING = int(os.environ.get("TRELLIS_GV_ONE_ROW_RING", "0") or 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
@@ -210,7 +205,6 @@ def extension():
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
         _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
         _ext.set_gemv_grid_fill(GV_GRID_FILL)
-        _ext.set_gemv_one_row_ring(GV_ONE_ROW_RING)
         # From how many k-row pairs per resident warp a product takes two k rows per unit
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
         _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
