@@ -30,7 +30,6 @@
 #include "exl3_decode.cuh"
 #include "exl3_gemv_finish.cuh"  // GvChain, the output stage and the finish kernels
 #include "exl3_gemv_geom.cuh"
-#include "exl3_gemv_tma.cuh"  // debug variant 25: the ring filled by the TMA
 #include "exl3_mm.cuh"  // kMul1Inv, kMul1C0, kMul1Bias (MUL1 value = kMul1Inv * byte sum + kMul1C0)
 #include "exl3_prep.cuh"
 #include "kernels.h"
@@ -279,7 +278,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  int out, half* __restrict__ y, int ldy, const half* __restrict__ svh,
                  const half* __restrict__ bias, int* __restrict__ counters, int seg_c1, int seg_c2,
                  int seg_c3, int early_trigger, int finish_rows, float* __restrict__ zero_after, int zero_n,
-                 const __grid_constant__ GvChainArg<CH> chain, const __grid_constant__ GvTmaArg<VAR == kGvVarTma> tma) {
+                 const __grid_constant__ GvChainArg<CH> chain) {
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
@@ -288,12 +287,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     constexpr int KR = S::KR;
     constexpr int RW = gv_row_words<K, PATH, NG, CFG, SP>();
     constexpr int TW = 8 * K;  // words per tile
-    // Debug variant 25 (exl3_gemv_tma.cuh): lane 0 fills a stage with one tensor copy of the unit's
-    // trellis and one bulk copy of its k rows' activations, on the stage's mbarrier; the stage then
-    // holds the KR k rows' tiles first and their activations after (tbase, abase below).
-    constexpr bool TMA = VAR == kGvVarTma;
-    static_assert(!TMA || (K == 4 && PATH == GV_I8 && NG == 1 && !SP && !CH && CT * TW <= 256),
-                  "the TMA ring: the K = 4 integer path's plain one-group products, a box of at most 256 words");
     extern __shared__ __align__(16) uint32_t gv_smem[];
 
     const int lane = threadIdx.x & 31;
@@ -328,17 +321,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const int n_units = (int)(u1 - u0);
     const int ring = warp * NS * SW;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem + ring));
-    // TMA: the warp's NS stage barriers, after every warp's ring (launch_gemv_var adds their bytes).
-    const uint32_t bar_sa =
-        static_cast<uint32_t>(__cvta_generic_to_shared(gv_smem + kGvWarps * NS * SW)) + (uint32_t)(warp * NS * 8);
-    if constexpr (TMA) {
-        if (lane == 0) {
-#pragma unroll
-            for (int s = 0; s < NS; ++s) mbar_init(bar_sa + 8 * s);
-            mbar_init_fence();
-        }
-        __syncwarp();
-    }
 
     // Which lanes carry activations: group gr covers rows [gr*RPG, gr*RPG + RPG).
     bool has_b[NG];
@@ -375,17 +357,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // which of the two to fetch (the prologue fetches them apart, see below).
     auto issue = [&](int s, bool weights, bool acts) {
         if (s < n_units) {
-            if constexpr (TMA) {
-                if (lane == 0) {  // the stage's bytes are expected with the first of its copies
-                    const uint32_t bar = bar_sa + p_slot * 8;
-                    const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW) * 4u;
-                    if (weights) {
-                        mbar_expect(bar, (uint32_t)SW * 4u);
-                        tma_load_2d(dst, &tma.map, p_grp * CT * TW, p_row, bar);
-                    }
-                    if (acts) bulk_load(dst + (uint32_t)(KR * CT * TW) * 4u, p_b, (uint32_t)(KR * kBRowWords) * 4u, bar);
-                }
-            } else {
 #pragma unroll
             for (int kr = 0; kr < KR; ++kr) {
                 const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * RW + lane * 4) * 4u;
@@ -412,7 +383,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     }
                 }
             }
-            }
             p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
             p_src += KR * src_row;
             p_b += KR * kBRowWords;
@@ -423,7 +393,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 p_b = xb + seg_of(p_grp) * seg_words + lane * (PATH == GV_I8 ? S::BW : 4);
             }
         }
-        if (!TMA && (acts || (SP && weights))) cp_async_commit();  // SP: each stage its own group
+        if (acts || (SP && weights)) cp_async_commit();  // SP: each stage its own group
     };
 
     // SP: the chunks the warp's units touch, in the order it takes them (at most kSpSlots: the
@@ -667,23 +637,15 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
 
     zero_acc();
     load_scales();
-    uint32_t c_phase = 0;  // TMA: the parity of the current stage's barrier
     for (int s = 0; s < n_units; ++s) {
-        if constexpr (TMA) {
-            mbar_wait(bar_sa + c_slot * 8, c_phase);
-        } else {
-            cp_async_wait<NS - 2>();
-        }
+        cp_async_wait<NS - 2>();
         __syncwarp();
         issue(s + NS - 1, true, true);
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
-        if (TMA && c_slot == 0) c_phase ^= 1u;
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
             const int base = stage + kr * RW;
-            const int tbase = TMA ? stage + kr * CT * TW : base;                           // the k row's tiles
-            const int abase = TMA ? stage + KR * CT * TW + kr * kBRowWords : base + CT * TW;  // its activations
 
             if constexpr (PATH == GV_I8) {
                 uint4 b[NG];
@@ -697,7 +659,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 } else {
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
-                        const int ba = abase + (gr * 32 + lane) * 4;
+                        const int ba = base + CT * TW + (gr * 32 + lane) * 4;
                         b[gr] = has_b[gr] ? *reinterpret_cast<const uint4*>(gv_smem + ba) : make_uint4(0u, 0u, 0u, 0u);
                     }
                 }
@@ -706,13 +668,13 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 if constexpr (kLdsm) {
 #pragma unroll
                     for (int h = 0; h < CT; h += 4)
-                        ldmatrix_x4(smem_sa + (uint32_t)(tbase + h * TW) * 4u + ldsm_lane, wB[h], wB[h + 1], wB[h + 2], wB[h + 3]);
+                        ldmatrix_x4(smem_sa + (uint32_t)(base + h * TW) * 4u + ldsm_lane, wB[h], wB[h + 1], wB[h + 2], wB[h + 3]);
 #pragma unroll
                     for (int ct = 0; ct < CT; ++ct) wA[ct] = __shfl_sync(0xffffffffu, wB[ct], lane_before);
                 }
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
-                    const int tile = tbase + ct * TW;
+                    const int tile = base + ct * TW;
                     uint32_t x[8];
                     if constexpr (VAR == 1) {
 #pragma unroll
@@ -827,16 +789,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // The grid cap (gv_blocks) counts units of two k rows for four-row units, so that CFG 10 keeps
     // the grid CFG 9 would have.
     const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
-    constexpr bool kTma = VAR == kGvVarTma;
-    // TMA: the stage barriers (8 bytes each) after the rings, and the trellis' tensor map.
-    const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4 +
-                        (kTma ? (size_t)kGvWarps * gv_ring_stages<K, PATH, NG, CFG, SP>() * 8 : 0);
-    GvTmaArg<kTma> tma{};
-    if constexpr (kTma) {
-        if (current_device_attr<cudaDevAttrComputeCapabilityMajor>() < 9 ||
-            !gv_encode_trellis_map(tma, a.trellis, (long)(a.out / 16) * 8 * K, a.in / 16, S::CT * 8 * K, S::KR))
-            return cudaErrorNotSupported;
-    }
+    const size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
     // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;
@@ -847,7 +800,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
                                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
                                           a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
-                                          split ? 0 : gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a), tma);
+                                          split ? 0 : gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
 
@@ -877,8 +830,7 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 
 // A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
 // form kept for A/Bs that `variant` names where this path has it (debug variants 8 on every path,
-// 22 on the integer one, 25 (the ring filled by the TMA) on its one-group products, 21 on MUL1's
-// fp16 one); a form the path lacks runs the shipped kernels.
+// 22 on the integer one, 21 on MUL1's fp16 one); a form the path lacks runs the shipped kernels.
 // Decode chains at split finish 5 come here too, so a whole decode step runs the form.
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -886,9 +838,6 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
         if constexpr (PATH == GV_I8) {
             if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
-        }
-        if constexpr (PATH == GV_I8 && NG == 1) {
-            if (variant == kGvVarTma) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTma>(a, false, stream);
         }
         if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
