@@ -298,23 +298,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const long units = (long)groups * rows_kr;
     const long nwarps = (long)gridDim.x * kGvWarps;
     const long gw = (long)blockIdx.x * kGvWarps + warp;
-    // Debug variant 26 (kGvVarOctets): a block's 8 warps take 8 adjacent column groups over the
-    // same k rows (the block's share of the (octet, k row) units; a warp steps 8 groups at an
-    // octet's end), so that at any time a block reads 8 KB of contiguous trellis a k row instead
-    // of 1 KB pieces ~50 k rows apart. Where the groups are not a multiple of 8, the shipped split.
-    const bool oct = VAR == kGvVarOctets && groups % 8 == 0;
-    const int gstep = oct ? 8 : 1;  // column groups from one of a warp's groups to its next
-    long u0, u1;                    // the warp's units: u0 in (group, k row) order, u1 - u0 of them
-    if (oct) {
-        const long vunits = (long)(groups / 8) * rows_kr;
-        const long v0 = vunits * blockIdx.x / gridDim.x, v1 = vunits * (blockIdx.x + 1) / gridDim.x;
-        const long o = v0 / rows_kr;
-        u0 = (8 * o + warp) * rows_kr + (v0 - o * rows_kr);
-        u1 = u0 + (v1 - v0);
-    } else {
-        u0 = units * gw / nwarps;
-        u1 = units * (gw + 1) / nwarps;
-    }
+    const long u0 = units * gw / nwarps;
+    const long u1 = units * (gw + 1) / nwarps;
     // The open sums this product's prep read (MmArgs::zero_after): zeroed once that prep is done,
     // a 16-byte store per lane by the grid's first warps (a few KB at one row).
     auto zero_consumed = [&]() {
@@ -403,7 +388,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             p_b += KR * kBRowWords;
             if ((p_row += KR) == tk) {
                 p_row = 0;
-                p_grp += gstep;
+                ++p_grp;
                 if constexpr (VAR != 3) p_src = trellis + (size_t)p_grp * CT * TW + lane * 4;
                 p_b = xb + seg_of(p_grp) * seg_words + lane * (PATH == GV_I8 ? S::BW : 4);
             }
@@ -769,7 +754,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             if (!last) {
                 zero_acc();
                 c_row = 0;
-                c_grp += gstep;
+                ++c_grp;
                 c_seg = seg_of(c_grp);
                 seg_has_row0 = true;
                 seg_units = 0;
@@ -845,8 +830,7 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 
 // A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
 // form kept for A/Bs that `variant` names where this path has it (debug variants 8 on every path,
-// 22 and 26 (adjacent column groups for a block's warps) on the integer one, 21 on MUL1's fp16
-// one); a form the path lacks runs the shipped kernels.
+// 22 on the integer one, 21 on MUL1's fp16 one); a form the path lacks runs the shipped kernels.
 // Decode chains at split finish 5 come here too, so a whole decode step runs the form.
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -854,8 +838,6 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
         if constexpr (PATH == GV_I8) {
             if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
-            if (variant == kGvVarOctets)
-                return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarOctets>(a, false, stream);
         }
         if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);

@@ -29,10 +29,9 @@ inline bool debug_variant_built(int variant) {
 // 31's integer-path decode (two masks, shared loads; the shipped one reads the words by ldmatrix,
 // kLdsm); otherwise they run as the shipped kernels do (configurations, compact ring, split
 // finish), so that an A/B against variant 0 times the decode alone.
-// 26 gives a block's warps adjacent column groups over the same k rows (exl3_gemv_kernel).
-constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarOctets = 26;
+constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
-    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarOctets;
+    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

@@ -135,44 +135,6 @@ def test_one_row_deeper_ring_matches_reference(n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 4096), (4096, 28672)])
-def test_octet_warp_map_matches_reference(n_in, n_out):
-    """Debug variant 26 (a block's 8 warps take 8 adjacent column groups over the same k rows)
-    covers every unit once: the integer path's product at 1..8 rows matches the reference and the
-    shipped map, in the configurations these shapes take (1536 columns are 12 groups, not a
-    multiple of 8: the shipped map runs there, as the variant says); the variant's kernel ran."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=37, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (1, 2, 4, 8):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        y0 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
-        with ops.debug_variant(26):
-            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3), "exl3_gemv_kernel<")
-            y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
-        assert names and all(", 26, " in n for n in names), names
-        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w)) < 2e-3, rows
-        assert rel_rms(y, y0) < 1e-3, rows
-    assert workspaces_zero()
-
-
-def test_octet_warp_map_grouped_product_matches_members():
-    """Variant 26 on a grouped product whose octets of column groups cross a member boundary
-    (members of 1024, 512 and 512 columns: 16 groups, the boundaries at groups 8 and 12), with warp
-    ranges that cross octets (3 and 5 units per warp)."""
-    members = [rand_layer(512, n, 4, "mul1", seed=340 + i, bias=(i == 1)) for i, n in enumerate((1024, 512, 512))]
-    g = ops.join_linears(members)
-    for min_units, rows in ((8, 1), (3, 1), (5, 4), (3, 8)):
-        ops.extension().set_gemv_min_units(min_units)
-        x = torch.randn(rows, 512, device=DEV).half()
-        with ops.debug_variant(26):
-            got = ops.exl3_gemm_group(x, g, int8=True)
-        for t, y in zip(members, got):
-            want = fmt.exl3_matmul_reference(x.float(), t, fmt.reconstruct(t.trellis, "mul1"))
-            assert rel_rms(y, want) < 2e-3, (min_units, rows, t.out_features)
-    ops.extension().set_gemv_min_units(8)
-    assert workspaces_zero()
-
-
 @pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672)])
 def test_decode_split_between_alu_and_fma_pipes_gives_the_same_product(n_in, n_out):
     """The K = 4 MUL1 integer path takes the product s * M of one state per window as W * M -
