@@ -1,0 +1,37 @@
+#!/bin/bash
+# The issue's goals on an H200, and nothing on any other GPU: it stops after nvidia-smi unless the
+# card is an H200, so a call that lands on an H100 costs only the machine's start. Why: the lent
+# machines are mostly H100s, and the goals (and the last figures in csrc/PERF_NOTES.md) are the
+# H200's. Carry .devcarry/shared. ~260 s on an H200 with a fresh build:
+#   the shipped build (no debug variants); the 8192x28672 K = 4 products at 1, 8 and 32 rows twice,
+#   dense fp16 in the same runs; batch-1 decode twice (CUDA graphs, synthetic 4.0 bpw
+#   Llama-3.1-8B shapes); prefill of 4,096 tokens; ncu of the one-row product (issue, stalls, DRAM)
+#   and its stall samples per SASS instruction ($OUT/ncu_src.csv).
+export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
+L=$OUT/log.txt
+t0=$(date +%s)
+el() { echo $(( $(date +%s)-t0 )); }
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $L
+if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $L; exit 0; fi
+timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -2 | tee -a $L
+echo "== goal products $(el)s" | tee -a $L
+for p in 1 2; do
+  timeout 60 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --paths fused \
+    --shapes 8192x28672 --m 1 8 32 2>&1 | grep '"us"' | cut -c1-400 | tee -a $L
+done
+M=/tmp/llama3-8b
+timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
+echo "== decode, batch 1 $(el)s" | tee -a $L
+timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --paths cuda-graph cuda-graph 2>&1 \
+  | grep '"tokens_per_s\|error' | cut -c1-170 | tee -a $L
+echo "== prefill 4096 $(el)s" | tee -a $L
+timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -1 | tee -a $L
+echo "== ncu, one row of 8192x28672 $(el)s" | tee -a $L
+timeout 90 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+  --section SchedulerStats --section WarpStateStats --section SourceCounters --metrics smsp__inst_executed.sum \
+  -o /tmp/ncu_goal -f python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 1 > $OUT/ncu_log.txt 2>&1
+timeout 60 ncu -i /tmp/ncu_goal.ncu-rep > $OUT/ncu.txt 2>&1
+grep -E "SM Frequency|Duration|DRAM Throughput|Issue Slots Busy|Eligible Warps|No Eligible|inst_executed|Stall" $OUT/ncu.txt \
+  | head -24 | tee -a $L
+timeout 60 ncu -i /tmp/ncu_goal.ncu-rep --page source --csv --print-source sass > $OUT/ncu_src.csv 2>&1
+echo "== done $(el)s" | tee -a $L
