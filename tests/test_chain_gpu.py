@@ -346,3 +346,20 @@ def test_model_decode_with_the_decode_variants_matches_shipped(tmp_path, request
     for a, b in zip(got, want):
         rel = rel_rms(a, b)
         assert rel < 1e-2, rel
+
+
+def test_configured_decode_forms_keep_chains(monkeypatch):
+    """A decode form configured by TRELLIS_GV_VARIANT (8, 22: they keep the shipped schedule, and
+    the kernels give them chain outputs) keeps decode chains, so a decode A/B under it differs in
+    the products alone; an occupancy configuration (13), which has no chain output, turns them
+    off. Until session 35 any configured variant turned chains off."""
+    t = rand_layer(4096, 4096, 4, 5)
+    ext = ops.extension()
+    configured = ops._configured_variant(ext)
+    try:
+        for variant, keeps in ((0, True), (8, True), (22, True), (13, False)):
+            monkeypatch.setattr(ops, "_DEFAULT_VARIANT", variant)
+            ext.set_mm_debug_variant(variant)
+            assert chain._writes_chain(t, 1) is keeps, variant
+    finally:
+        ext.set_mm_debug_variant(configured)

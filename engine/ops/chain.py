@@ -209,11 +209,12 @@ def _takes_prepared(t, in_f: int, device: torch.device, link: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _chain_fits(in_f: int, out_f: int, K: int, rows: int, split: int) -> bool:
+def _chain_fits(in_f: int, out_f: int, K: int, rows: int, split: int, variant: int) -> bool:
     """Whether a product of this shape and rows can write a chain output (csrc gemv_chain_fits:
     one row where no warp finishes more column blocks than the kernel keeps, 2..4 rows through
-    the finish kernel; no debug variant but the decode forms 8, 21 and 22). `split`, the
-    split-finish setting the answer for 2..4 rows depends on, keys the cache."""
+    the finish kernel; no debug variant but the decode forms 8, 21 and 22, which keep the shipped
+    schedule). `split`, the split-finish setting the answer for 2..4 rows depends on, and
+    `variant`, the configured TRELLIS_GV_VARIANT, key the cache."""
     return bool(ops.extension().chain_fits(in_f, out_f, K, rows))
 
 
@@ -228,9 +229,13 @@ def _writes_chain(t, rows: int = 1) -> bool:
     """Whether a product of t (EXL3Tensors or EXL3Group) on `rows` rows can write a chain output:
     the MUL1 integer path, a shape the kernels can finish with a chain output."""
     in_f, out_f, K = t.trellis.shape[0] * 16, t.trellis.shape[1] * 16, t.trellis.shape[2] // 16
-    if not (t.codebook == "mul1" and ops.INT8_MAX_ROWS >= rows and ops._DEFAULT_VARIANT == 0 and _chain_rows(rows)):
+    if not (t.codebook == "mul1" and ops.INT8_MAX_ROWS >= rows and _chain_rows(rows)):
         return False
-    return _chain_fits(in_f, out_f, K, rows, ops.extension().split_finish_setting() if rows > 1 else 0)
+    # The kernels say which configured variants keep chains (the decode forms do, so that a decode
+    # A/B under TRELLIS_GV_VARIANT differs in the products alone; until session 35 any variant
+    # turned chains off here, and decode under variants 25 and 26 ran without them).
+    return _chain_fits(in_f, out_f, K, rows, ops.extension().split_finish_setting() if rows > 1 else 0,
+                       ops._DEFAULT_VARIANT)
 
 
 def defer_linear(x: torch.Tensor, t, out_features: int) -> "torch.Tensor | Deferred":
