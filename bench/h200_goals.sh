@@ -7,13 +7,10 @@
 #   dense fp16 in the same runs; batch-1 decode twice (CUDA graphs, synthetic 4.0 bpw
 #   Llama-3.1-8B shapes); prefill of 4,096 tokens; ncu of the one-row product (issue, stalls, DRAM)
 #   and its stall samples per SASS instruction ($OUT/ncu_src.csv).
-export PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
-L=$OUT/log.txt
-t0=$(date +%s)
-el() { echo $(( $(date +%s)-t0 )); }
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $L
-if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $L; exit 0; fi
-timeout 200 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -2 | tee -a $L
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
+if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
+export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1  # gpu_common.sh then builds the shipped kernels alone, runs no tests
+source bench/gpu_common.sh
 echo "== goal products $(el)s" | tee -a $L
 for p in 1 2; do
   timeout 60 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --paths fused \
