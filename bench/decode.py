@@ -65,6 +65,9 @@ Loop as the reference measured it: one token per forward, argmax, host sync each
               once, the integer path's words by shared loads (VAR 8)
   cuda-graph-s31dec  right tokens: the integer products with session 31's decode (two masks, the
               words by shared loads; VAR 22; shipped since session 32: A12 and ldmatrix)
+  cuda-graph-c0tail  right tokens: MUL1's constant term added by the integer products' k-row-0
+              warps, which gather the input's chunk sums at their flush, as before session 36
+              (VAR 41; shipped: the finish kernel gathers them before its PDL wait)
   cuda-graph-noopen / -open / -opengated / -opennormed  cuda-graph with open sums
               (engine/ops/open_sums.py) for no reader / every reader / the down projection's
               prep only / the norms' preps only (TRELLIS_OPEN_SUMS picks the default, none)
@@ -102,7 +105,9 @@ CHAIN_PATHS = {"cuda-graph-nochain": "0", "cuda-graph-chain": "1", "cuda-graph-c
 PROBE_VARIANTS = {"cuda-graph-launchonly": 4, "cuda-graph-notail": 5, "cuda-graph-nofinish": 6,
                   # right results: the K = 4 integer path's decode extraction all on the ALU pipe;
                   # the previous word masked once with shared loads (A12); session 31's decode
-                  "cuda-graph-alu": 7, "cuda-graph-a12": 8, "cuda-graph-s31dec": 22}
+                  "cuda-graph-alu": 7, "cuda-graph-a12": 8, "cuda-graph-s31dec": 22,
+                  # right tokens: MUL1's constant term on the integer products' tails (VAR 41)
+                  "cuda-graph-c0tail": 41}
 
 
 def ensure_model(model_dir: Path, shape: str, bits: float, codebook: str) -> Path:

@@ -576,7 +576,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
             // The row sums over all nch chunks are taken by the whole warp (a strided share per
             // lane, then a butterfly), one memory round trip instead of nch / 4 dependent ones
             // on the warp that holds k row 0 (SASS: the serial loop sat on the kernel's tail).
-            if (seg_has_row0) {
+            // Not where the finish kernel adds it (finish_rows 0, the split finish: GvC0), which
+            // gathers the sums before its PDL wait, off the product's tail (variant 41: here).
+            if (seg_has_row0 && (finish_rows || VAR == kGvVarC0Tail)) {
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr) {
 #pragma unroll
@@ -796,12 +798,15 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // with 5 also a decode chain's product, launched here without its chain code: CH false).
     const int split_from = PATH == GV_I8 ? 4 : NG >= 2 ? 2 : 3;
     const bool split = !CH && gv_shipped_schedule(VAR) && a.y && gemv_split_finish() >= split_from;
+    // Split, the integer path leaves MUL1's constant term to the finish kernel (GvC0; not with self
+    // prep, whose warps add their own k rows' part).
+    const bool c0_late = split && PATH == GV_I8 && !SP && VAR != kGvVarC0Tail;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
                                           dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
                                           a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
                                           split ? 0 : gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
-    return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
+    return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream, c0_late);
 }
 
 // The shipped configurations. Large layers take two k rows per unit (CFG 9): per-unit work is
@@ -838,6 +843,9 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
         if constexpr (PATH == GV_I8) {
             if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
+            if constexpr (CB == CB_MUL1) {
+                if (variant == kGvVarC0Tail) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarC0Tail>(a, false, stream);
+            }
         }
         if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);

@@ -70,6 +70,53 @@ __device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ p
     return rsqrtf(t / in + eps);
 }
 
+// MUL1's constant term of an integer-path product whose finish kernel runs after it: every output
+// of a row gets kMul1C0 times the sum of that row's prepared input, the sum of its chunk sums
+// (MmArgs::csum, [segment, row, in / 128]). csum null: none (the product added it, or is not on
+// the integer path). Why here: until session 36 the product's warp that holds a column group's k
+// row 0 gathered the sums at its flush, an L2 round trip and five shuffles a row on the product's
+// tail. The finish kernel loads each lane's strided share before its PDL wait (L2 loads, which
+// ptxas keeps ahead of the wait) and adds and reduces them once its workspace loads are out, so
+// that neither round trip waits for the other.
+struct GvC0 {
+    static constexpr int kLoads = 8;  // chunk sums a lane holds: all of them up to in = 32768
+    const float* csum = nullptr;
+    int nch = 0, m = 1;
+    int seg_c1 = 0x7fffffff, seg_c2 = 0x7fffffff, seg_c3 = 0x7fffffff;  // MmArgs::seg_cols
+    __device__ __forceinline__ const float* row_sums(int col, int row) const {
+        const int seg = (int)(col >= seg_c1) + (int)(col >= seg_c2) + (int)(col >= seg_c3);
+        return csum + ((size_t)seg * m + row) * nch;
+    }
+    // The lane's chunk sums lane, lane + 32, ... of the output column's row and segment (zeros past
+    // nch). Every load is made, from a clamped index, so that none waits behind a branch.
+    __device__ __forceinline__ void load(int col, int row, int lane, float (&v)[kLoads]) const {
+        if (!csum) {
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) v[i] = 0.f;
+            return;
+        }
+        const float* p = row_sums(col, row);
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i) {
+            const int c = lane + 32 * i;
+            const float x = __ldcg(p + min(c, nch - 1));
+            v[i] = c < nch ? x : 0.f;
+        }
+    }
+    // The term from those loads (and any chunk sums past the first kLoads a lane).
+    __device__ __forceinline__ float term(const float (&v)[kLoads], int col, int row, int lane) const {
+        if (!csum) return 0.f;
+        float t = 0.f;
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i) t += v[i];
+        for (int c = lane + 32 * kLoads; c < nch; c += 32) t += __ldcg(row_sums(col, row) + c);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        return kMul1C0 * t;
+    }
+};
+__device__ __forceinline__ float4 plus_c0(float4 f, float c) { return make_float4(f.x + c, f.y + c, f.z + c, f.w + c); }
+
 // The output transform of one finished 128-column block (see finish_block in the kernel), a row
 // at a time. Not inlined: it runs about once per warp, and inlined its registers would crowd the
 // main loop. ch->in_part: the input came from a chain in mode 1 without the norm's 1 / rms
@@ -129,13 +176,14 @@ __device__ __forceinline__ void gv_finish_block_rows8(float* __restrict__ z, hal
 template <int kTasks>
 __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, half* __restrict__ y, int ldy,
                                                          const half* __restrict__ svh, const half* __restrict__ bias,
-                                                         int m, int out) {
+                                                         int m, int out, const GvC0 c0, bool c0_early) {
     const int lane = threadIdx.x & 31;
     const long task0 = ((long)blockIdx.x * 8 + (threadIdx.x >> 5)) * kTasks;
     const int blocks = out >> 7;
     const long tasks = (long)m * blocks;
     int rs[kTasks], ks[kTasks];
     uint2 sv[kTasks], bv[kTasks];
+    float cv[kTasks][GvC0::kLoads];
 #pragma unroll
     for (int j = 0; j < kTasks; ++j) {  // the weights before the wait (ptxas moves the second task's
                                         // .nc loads below it; the workspace loads follow at once)
@@ -146,8 +194,16 @@ __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, h
         sv[j] = __ldg(reinterpret_cast<const uint2*>(svh + ks[j]));
         if (bias) bv[j] = __ldg(reinterpret_cast<const uint2*>(bias + ks[j]));
     }
+    // The constant term: the product's input sums were written before the product launched, so they
+    // are complete here unless the product let this grid launch before its own wait (c0_early false).
+    auto gather_c0 = [&] {
+#pragma unroll
+        for (int j = 0; j < kTasks; ++j) c0.load(ks[j] - lane * 4, rs[j], lane, cv[j]);
+    };
+    if (c0_early) gather_c0();
     pdl_wait_primary();
     pdl_launch_dependents();
+    if (!c0_early) gather_c0();
     float4 f[kTasks];
 #pragma unroll
     for (int j = 0; j < kTasks; ++j)
@@ -156,7 +212,9 @@ __global__ void __launch_bounds__(256) gv_finish_kernel(float* __restrict__ z, h
     for (int j = 0; j < kTasks; ++j) {
         if (task0 + j >= tasks) break;
         __stcg(reinterpret_cast<float4*>(z + (size_t)rs[j] * out + ks[j]), make_float4(0.f, 0.f, 0.f, 0.f));
-        gv_finish_row(f[j], kHadNorm, y + (size_t)rs[j] * ldy + ks[j], sv[j], bv[j], bias != nullptr, lane);
+        const float cs = c0.term(cv[j], ks[j] - lane * 4, rs[j], lane);
+        gv_finish_row(plus_c0(f[j], cs), kHadNorm, y + (size_t)rs[j] * ldy + ks[j], sv[j], bv[j], bias != nullptr,
+                      lane);
     }
 }
 constexpr int kGvFinishTasks = 2;
@@ -184,7 +242,7 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
                                                                const half* __restrict__ svh,
                                                                const half* __restrict__ bias, int out, int in,
                                                                const __grid_constant__ GvChain ch, bool early_reads,
-                                                               int ldy, int rows) {
+                                                               int ldy, int rows, const GvC0 c0) {
     constexpr int NB = NEXT == 2 ? 2 : 1;  // output blocks per task
     const int lane = threadIdx.x & 31;
     const int tasks = NEXT == 2 ? ch.next.n >> 7 : out >> 7;  // gated: blocks j and j + n / 128 (chain_block)
@@ -210,9 +268,12 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     NormedLoads nl{};
     if constexpr (NEXT == 1) nl = normed_weights<true>(ch.next, ch.next.nseg, task, lane);
     float scale = kHadNorm;
+    float cv[NB][GvC0::kLoads];
     auto read_earlier = [&] {  // what the kernels before the product wrote
         if (in_part) scale *= chain_input_inv_rms<true>(in_part, in, ch.in_eps, lane);
         if constexpr (NEXT == 1) nl.rv = normed_residual_cg(ch.next, task, lane, r);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) c0.load(ks[b] - lane * 4, r, lane, cv[b]);  // MUL1's constant term
     };
     if (early_reads) read_earlier();
     pdl_wait_primary();
@@ -225,7 +286,8 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
         __stcg(reinterpret_cast<float4*>(z + ks[b]), make_float4(0.f, 0.f, 0.f, 0.f));
-        float v[4] = {f[b].x, f[b].y, f[b].z, f[b].w};
+        const float cs = c0.term(cv[b], ks[b] - lane * 4, r, lane);
+        float v[4] = {f[b].x + cs, f[b].y + cs, f[b].z + cs, f[b].w + cs};
         o[b] = finish_lane4(v, lane, scale, sv[b], bv[b], bias != nullptr);
         *reinterpret_cast<uint2*>(y + ks[b]) = o[b];
     }
@@ -235,7 +297,13 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
 
 // Launch gv_finish_chain_kernel for a product of 1..4 rows with chain arguments (MmArgs::in_part,
 // next).
-inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) {
+inline GvC0 gv_c0_arg(const MmArgs& a, bool c0_late) {
+    GvC0 c;
+    if (c0_late) c = GvC0{a.csum, a.in >> 7, a.m, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2]};
+    return c;
+}
+
+inline cudaError_t launch_gv_finish_chain(const MmArgs& a, bool c0_late, cudaStream_t stream) {
     const GvChain ch{a.in_part, a.in_eps, a.next};
     const int tasks = (a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7) * a.m;
     const bool mr = a.m > 1;
@@ -243,16 +311,17 @@ inline cudaError_t launch_gv_finish_chain(const MmArgs& a, cudaStream_t stream) 
                         : a.next.mode == 2 ? (mr ? gv_finish_chain_kernel<2, true> : gv_finish_chain_kernel<2>)
                                            : (mr ? gv_finish_chain_kernel<0, true> : gv_finish_chain_kernel<0>);
     return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
-                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m);
+                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m, gv_c0_arg(a, c0_late));
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);
-// gv_finish_chain_kernel where the product reads or writes a decode chain.
-inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream) {
-    if (a.next.mode || a.in_part) return launch_gv_finish_chain(a, stream);
+// gv_finish_chain_kernel where the product reads or writes a decode chain. c0_late: the product
+// left MUL1's constant term to this kernel (GvC0).
+inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream, bool c0_late = false) {
+    if (a.next.mode || a.in_part) return launch_gv_finish_chain(a, c0_late, stream);
     const long warps = ((long)a.m * (a.out >> 7) + kGvFinishTasks - 1) / kGvFinishTasks;
     return launch_pdl(gv_finish_kernel<kGvFinishTasks>, dim3((unsigned)((warps + 7) / 8)), dim3(256), 0, stream,
-                      a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out);
+                      a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out, gv_c0_arg(a, c0_late), a.early_trigger != 1);
 }
 
 }  // namespace trellis

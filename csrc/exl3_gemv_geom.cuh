@@ -29,9 +29,13 @@ inline bool debug_variant_built(int variant) {
 // 31's integer-path decode (two masks, shared loads; the shipped one reads the words by ldmatrix,
 // kLdsm); otherwise they run as the shipped kernels do (configurations, compact ring, split
 // finish), so that an A/B against variant 0 times the decode alone.
-constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22;
+// Debug variant 41 keeps the shipped schedule with MUL1's constant term where it was until session
+// 36: added by the integer-path product's warp that holds a column group's k row 0, which gathers
+// the input's chunk sums at its flush, on the product's tail (now the finish kernel does, GvC0).
+// Right results; a decode step under it keeps its chains.
+constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
-    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31;
+    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

@@ -326,11 +326,12 @@ def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkey
     assert agree >= len(runs[True]) - 1  # a near tie may flip one
 
 
-@pytest.mark.parametrize("variant", [8, 21, 22])
+@pytest.mark.parametrize("variant", [8, 21, 22, 41])
 def test_model_decode_with_the_decode_variants_matches_shipped(tmp_path, request, variant):
     """The K = 4 decode variants (8: the previous word masked once, words by shared loads; 21:
     MUL1's byte sums by MMAs on the fp16 path, the 16-token prompt's products; 22: session 31's
-    integer-path decode) run every product of a decode step, chained ones included
+    integer-path decode; 41: MUL1's constant term on the integer products' tails, not in the
+    finish kernels) run every product of a decode step, chained ones included
     (launch_gemv_ng's chain branch at split finish 5): the synthetic model's logits match the
     shipped decode's (A12 and ldmatrix) up to the split-k atomics' order."""
     from engine.models import load_model
@@ -349,7 +350,7 @@ def test_model_decode_with_the_decode_variants_matches_shipped(tmp_path, request
 
 
 def test_configured_decode_forms_keep_chains(monkeypatch):
-    """A decode form configured by TRELLIS_GV_VARIANT (8, 22: they keep the shipped schedule, and
+    """A decode form configured by TRELLIS_GV_VARIANT (8, 22, 41: they keep the shipped schedule, and
     the kernels give them chain outputs) keeps decode chains, so a decode A/B under it differs in
     the products alone; an occupancy configuration (13), which has no chain output, turns them
     off. Until session 35 any configured variant turned chains off."""
@@ -357,7 +358,7 @@ def test_configured_decode_forms_keep_chains(monkeypatch):
     ext = ops.extension()
     configured = ops._configured_variant(ext)
     try:
-        for variant, keeps in ((0, True), (8, True), (22, True), (13, False)):
+        for variant, keeps in ((0, True), (8, True), (22, True), (41, True), (13, False)):
             monkeypatch.setattr(ops, "_DEFAULT_VARIANT", variant)
             ext.set_mm_debug_variant(variant)
             assert chain._writes_chain(t, 1) is keeps, variant
