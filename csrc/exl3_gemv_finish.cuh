@@ -88,19 +88,18 @@ struct GvC0 {
         return csum + ((size_t)seg * m + row) * nch;
     }
     // The lane's chunk sums lane, lane + 32, ... of the output column's row and segment (zeros past
-    // nch). Every load is made, from a clamped index, so that none waits behind a branch.
+    // nch): as many loads as the row has rounds of 32 chunks (a branch the whole warp takes alike),
+    // each from a clamped index, so that no lane branches apart from the others.
     __device__ __forceinline__ void load(int col, int row, int lane, float (&v)[kLoads]) const {
-        if (!csum) {
-#pragma unroll
-            for (int i = 0; i < kLoads; ++i) v[i] = 0.f;
-            return;
-        }
-        const float* p = row_sums(col, row);
+        const float* p = csum ? row_sums(col, row) : nullptr;
 #pragma unroll
         for (int i = 0; i < kLoads; ++i) {
             const int c = lane + 32 * i;
-            const float x = __ldcg(p + min(c, nch - 1));
-            v[i] = c < nch ? x : 0.f;
+            v[i] = 0.f;
+            if (p && 32 * i < nch) {
+                const float x = __ldcg(p + min(c, nch - 1));
+                v[i] = c < nch ? x : 0.f;
+            }
         }
     }
     // The term from those loads (and any chunk sums past the first kLoads a lane).
