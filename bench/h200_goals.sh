@@ -2,11 +2,13 @@
 # The issue's goals on an H200, and nothing on any other GPU: it stops after nvidia-smi unless the
 # card is an H200, so a call that lands on an H100 costs only the machine's start. Why: the lent
 # machines are mostly H100s, and the goals (and the last figures in csrc/PERF_NOTES.md) are the
-# H200's. Carry .devcarry/shared. ~260 s on an H200 with a fresh build:
+# H200's. Carry .devcarry/shared. ~280 s on an H200 with a fresh build:
 #   the shipped build (no debug variants); the 8192x28672 K = 4 products at 1, 8 and 32 rows twice,
 #   dense fp16 in the same runs; batch-1 decode twice (CUDA graphs, synthetic 4.0 bpw
-#   Llama-3.1-8B shapes); prefill of 4,096 tokens; ncu of the one-row product (issue, stalls, DRAM)
-#   and its stall samples per SASS instruction ($OUT/ncu_src.csv).
+#   Llama-3.1-8B shapes); prefill of 4,096 tokens; bench/stream_probe.cu (how fast the one-row
+#   product's ring reads its trellis with no decode, against a plain read: on an H100 41-42 us
+#   against 39, session 36); ncu of the one-row product (issue, stalls, DRAM) and its stall samples
+#   per SASS instruction ($OUT/ncu_src.csv).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1  # gpu_common.sh then builds the shipped kernels alone, runs no tests
@@ -23,6 +25,9 @@ timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --pa
   | grep '"tokens_per_s\|error' | cut -c1-170 | tee -a $L
 echo "== prefill 4096 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -1 | tee -a $L
+echo "== stream probe $(el)s" | tee -a $L  # the ring's read rate without the product's work
+nvcc -O3 -std=c++17 -arch=sm_90 bench/stream_probe.cu -o /tmp/stream_probe && timeout 60 /tmp/stream_probe 20 0 100 \
+  | cut -c1-160 | tee -a $L
 echo "== ncu, one row of 8192x28672 $(el)s" | tee -a $L
 timeout 90 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight \
   --section SchedulerStats --section WarpStateStats --section SourceCounters --metrics smsp__inst_executed.sum \
