@@ -294,14 +294,16 @@ __global__ void __launch_bounds__(256) gv_finish_chain_kernel(float* __restrict_
     if constexpr (NEXT == 2) chain_gated_chunk(ch.next, o[0], o[1], s, task, lane, r);
 }
 
-// Launch gv_finish_chain_kernel for a product of 1..4 rows with chain arguments (MmArgs::in_part,
-// next).
+// The finish kernels' GvC0 argument: the product's input sums where it left MUL1's constant term
+// to them (c0_late), else none.
 inline GvC0 gv_c0_arg(const MmArgs& a, bool c0_late) {
     GvC0 c;
     if (c0_late) c = GvC0{a.csum, a.in >> 7, a.m, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2]};
     return c;
 }
 
+// Launch gv_finish_chain_kernel for a product of 1..4 rows with chain arguments (MmArgs::in_part,
+// next).
 inline cudaError_t launch_gv_finish_chain(const MmArgs& a, bool c0_late, cudaStream_t stream) {
     const GvChain ch{a.in_part, a.in_eps, a.next};
     const int tasks = (a.next.mode == 2 ? a.next.n >> 7 : a.out >> 7) * a.m;
