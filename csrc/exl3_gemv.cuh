@@ -587,8 +587,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         float t = 0.f;
                         if (row < m)
                             for (int c = lane; c < nch; c += 32) t += csum[((size_t)c_seg * m + row) * nch + c];
-#pragma unroll
-                        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                        t = warp_sum(t);
                         if (cq == j) cadd[gr] = t;
                     }
                 }

@@ -65,9 +65,7 @@ template <bool CG = false>
 __device__ __forceinline__ float chain_input_inv_rms(const float* __restrict__ part, int in, float eps, int lane) {
     float t = 0.f;
     for (int c = lane; c < (in >> 7); c += 32) t += CG ? __ldcg(part + c) : part[c];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return rsqrtf(t / in + eps);
+    return rsqrtf(warp_sum(t) / in + eps);
 }
 
 // MUL1's constant term of an integer-path product whose finish kernel runs after it: every output
@@ -109,9 +107,7 @@ struct GvC0 {
 #pragma unroll
         for (int i = 0; i < kLoads; ++i) t += v[i];
         for (int c = lane + 32 * kLoads; c < nch; c += 32) t += __ldcg(row_sums(col, row) + c);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-        return kMul1C0 * t;
+        return kMul1C0 * warp_sum(t);
     }
 };
 __device__ __forceinline__ float4 plus_c0(float4 f, float c) { return make_float4(f.x + c, f.y + c, f.z + c, f.w + c); }

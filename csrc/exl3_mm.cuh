@@ -42,6 +42,14 @@ __host__ __device__ constexpr int mm_stage_words() {
     return mm_stage_tiles<K>() * 8 * K;
 }
 
+// The sum of t over the warp's 32 lanes, in every lane (an xor butterfly: every lane gets the same
+// bits, so warps that reduce the same values agree).
+__device__ __forceinline__ float warp_sum(float t) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    return t;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
     uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));

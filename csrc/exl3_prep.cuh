@@ -164,8 +164,7 @@ __device__ __forceinline__ void publish_row_sums(float (&ss)[kPrepWarps], float 
 #pragma unroll
     for (int lr = 0; lr < kPrepWarps; ++lr) {
         if (r_first + lr <= r_last) {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss[lr] += __shfl_xor_sync(0xffffffffu, ss[lr], o);
+            ss[lr] = warp_sum(ss[lr]);
             if (lane == 0) part[warp][lr] = ss[lr];
         }
     }
@@ -471,8 +470,7 @@ __device__ __forceinline__ void chain_normed(const ChainOut& nx, half2 o0, half2
         const float2 sa = __half22float2(as_h2(sv[seg].x)), sb = __half22float2(as_h2(sv[seg].y));
         f[seg][0] = hw[0] * sa.x, f[seg][1] = hw[1] * sa.y, f[seg][2] = hw[2] * sb.x, f[seg][3] = hw[3] * sb.y;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
 #pragma unroll
     for (int seg = 0; seg < NSEG; ++seg) wht128_lane4(f[seg], lane);
 #pragma unroll
