@@ -26,7 +26,7 @@ timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --pa
 echo "== prefill 4096 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -1 | tee -a $L
 echo "== stream probe $(el)s" | tee -a $L  # the ring's read rate without the product's work
-nvcc -O3 -std=c++17 -arch=sm_90 bench/stream_probe.cu -o /tmp/stream_probe && timeout 60 /tmp/stream_probe 20 0 100 \
+nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc bench/stream_probe.cu -o /tmp/stream_probe && timeout 60 /tmp/stream_probe 20 0 100 \
   | cut -c1-160 | tee -a $L
 echo "== ncu, one row of 8192x28672 $(el)s" | tee -a $L
 timeout 90 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 --section SpeedOfLight \

@@ -8,10 +8,11 @@
 // separates the read order and the ring from everything else: if an order reaches the fp16 rate
 // here, the trellis can be stored in that order when a model loads.
 //
-// Standalone (no torch): nvcc -O3 -std=c++17 -arch=sm_90 bench/stream_probe.cu -o /tmp/stream_probe
-// && /tmp/stream_probe [reps [delay ...]]. One JSON line per case: order, stages, delay (dependent
-// IMADs a lane per unit), us per read of the whole trellis, GB/s; a plain LDG read and a device
-// copy before them, the LDG read again after.
+// Standalone (no torch; the products' own cp.async helpers from csrc/exl3_mm.cuh):
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc bench/stream_probe.cu -o /tmp/stream_probe
+//   /tmp/stream_probe [reps [delay ...]]
+// One JSON line per case: order, stages, delay (dependent IMADs a lane per unit), us per read of
+// the whole trellis, GB/s; a plain LDG read and a device copy before them, the LDG read again after.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,9 +20,14 @@
 #include <cstdlib>
 #include <vector>
 
+#include "exl3_mm.cuh"  // gv_cp16, cp_async_commit, cp_async_wait, kGvWarps: the product's ring
+
 namespace {
 
-constexpr int kWarps = 8;          // per block, as kGvWarps
+using trellis::cp_async_commit;
+using trellis::cp_async_wait;
+using trellis::gv_cp16;
+constexpr int kWarps = trellis::kGvWarps;  // warps per block
 constexpr int kUnitBytes = 4096;   // 32 tiles of 128 bytes (K = 4)
 constexpr int kIn = 8192, kOut = 28672;
 constexpr int kTk = kIn / 16, kTn = kOut / 16;           // 512 k rows of 1,792 tiles
@@ -57,15 +63,6 @@ __device__ __forceinline__ long piece_addr(int order, long u, int p) {
     }
 }
 
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_groups() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 template <int NS>
 __global__ void __launch_bounds__(kWarps * 32, 2) ring_read(const uint8_t* __restrict__ src, int order, int delay,
                                                              uint32_t* __restrict__ sink) {
@@ -87,17 +84,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) ring_read(const uint8_t* __res
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 const uint8_t* base = src + piece_addr(order, u, p) + lane * 16;
-                cp16(dst + p * 1024, base);
-                cp16(dst + p * 1024 + 512, base + 512);
+                gv_cp16(dst + p * 1024, base);
+                gv_cp16(dst + p * 1024 + 512, base + 512);
             }
         }
-        commit();
+        cp_async_commit();
     };
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) issue(s);
     uint32_t acc = lane;
     for (int s = 0; s < n; ++s) {
-        wait_groups<NS - 2>();
+        cp_async_wait<NS - 2>();
         __syncwarp();
         issue(s + NS - 1);
         const uint4* st = reinterpret_cast<const uint4*>(ring + (s % NS) * kUnitBytes);

@@ -36,9 +36,6 @@
 
 namespace trellis {
 
-__device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
-}
 // K = 4 states from the lane's two words: A = word t-1, B = word t (the 48-bit window H = A's low
 // 16 bits : B). State j is bits [28-4j, 44-4j) of H (the same states as state_at<4(j+1)>). Byte-
 // aligned windows are one PRMT against zero; the odd-nibble ones come from one funnel shift of

@@ -54,6 +54,11 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
     uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
 }
+// The same copy to a shared-memory address the caller already holds (the fused products' rings,
+// exl3_gemv.cuh, which keep one base address and add offsets).
+__device__ __forceinline__ void gv_cp16(uint32_t smem_addr, const void* gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem_src) : "memory");
+}
 // "memory" clobbers: shared-memory reads of a stage must not be hoisted above its wait.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
