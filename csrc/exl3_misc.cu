@@ -273,7 +273,7 @@ static long gv_most_units(const MmArgs& a, int cfg, int& kr) {
 }
 
 bool gemv_chain_fits(const MmArgs& a) {
-    // Debug variants other than the decode forms that keep the shipped schedule (8, 21, 22: the
+    // Debug variants other than those that keep the shipped schedule (gv_shipped_schedule: the
     // chain then runs as their plain product and the finish kernel) have no chain output.
     const int v = mm_debug_variant();
     if ((v != 0 && !gv_shipped_schedule(v)) || a.version != 3 || a.m < 1 || a.in % 128 || a.out % 128) return false;

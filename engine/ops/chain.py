@@ -212,8 +212,8 @@ def _takes_prepared(t, in_f: int, device: torch.device, link: str) -> bool:
 def _chain_fits(in_f: int, out_f: int, K: int, rows: int, split: int, variant: int) -> bool:
     """Whether a product of this shape and rows can write a chain output (csrc gemv_chain_fits:
     one row where no warp finishes more column blocks than the kernel keeps, 2..4 rows through
-    the finish kernel; no debug variant but the decode forms 8, 21 and 22, which keep the shipped
-    schedule). `split`, the split-finish setting the answer for 2..4 rows depends on, and
+    the finish kernel; no debug variant but those that keep the shipped schedule: the decode forms
+    8, 21 and 22, and 41). `split`, the split-finish setting the answer for 2..4 rows depends on, and
     `variant`, the configured TRELLIS_GV_VARIANT, key the cache."""
     return bool(ops.extension().chain_fits(in_f, out_f, K, rows))
 
