@@ -14,15 +14,16 @@ namespace trellis {
 // `variant` of launch_gemv_ng and launch_gemv_f16) are built only where TRELLIS_DEBUG_VARIANTS is
 // defined, as the GPU tests and benchmarks ask (engine/ops/build.py). The build a user's first
 // model load waits for then compiles the shipped kernels alone: about half of the K = 4 file's
-// kernels are variants. Variant 10 (CFG 0 everywhere) and the block-shared modes 30 / 31 take
-// shipped kernels, so every build has them.
+// kernels are variants. Variant 10 (CFG 0 everywhere), the block-shared modes 30 / 31 and 44 (the
+// block-shared kernel with two tiles per unit) take shipped kernels, so every build has them.
 #ifdef TRELLIS_DEBUG_VARIANTS
 constexpr bool kDebugVariants = true;
 #else
 constexpr bool kDebugVariants = false;
 #endif
+constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles per unit (kSaTwoTiles)
 inline bool debug_variant_built(int variant) {
-    return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31;
+    return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 || variant == kSaVarTwoTiles;
 }
 // Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12) and the integer path's
 // words by shared loads, 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session

@@ -32,11 +32,14 @@ namespace trellis {
 // 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
-constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128;
+// CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
+// unit at four row groups instead of four.
+constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128,
+              kSaTwoTiles = 512;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
-    static constexpr int C = CFG & 3;                           // the shape part of CFG
-    static constexpr int CT = NG == 4 || C >= 2 ? 4 : 8;        // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int C = CFG & 3;  // the shape part of CFG
+    static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;  // tiles per unit: 16 * NG * CT accumulators
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
@@ -338,7 +341,7 @@ SaGrid sa_grid(const MmArgs& a) {
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || variant > 40 || variant == 31)) return false;
+    if (variant != 0 && (variant < 30 || (variant > 40 && variant != kSaVarTwoTiles) || variant == 31)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
@@ -364,11 +367,26 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
 
+// Whether a block-shared product takes two tiles per unit (kSaTwoTiles) instead of four: 25..32
+// rows of layers of fewer than 4096 x 18432 weights, unless gemv_sa_tiles is 0. Measured (session
+// 37, K = 4 MUL1, csrc/PERF_NOTES.md), four tiles against two, on the H200: at 28 and 32 rows
+// 4096x14336 32.3 / 33.7 us against 30.5 / 31.2, 14336x4096 34.3 / 35.3 against 32.5 / 33.1,
+// 8192x8192 34.4 / 35.4 against 33.5 / 33.8, 5120x13824 36.2 / 37.8 against 35.6 / 36.5; at 24 rows
+// within 1% (3584x18944 2% slower); at 17 and 20 rows two tiles 0-7% slower; 8192x10240 1-7% and
+// 4096x28672 2% slower at every row count.
+inline bool sa_two_tiles(const MmArgs& a) {
+    return gemv_sa_tiles() == 1 && a.m > 24 && (long)a.in * a.out < 4096L * 18432;
+}
+
 // The fp16 path of the version-3 product for one K, codebook and group count.
 template <int K, int CB, int NG>
 cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     if (sa_applies<K, NG>(a, variant)) {
+        if constexpr (NG == 4) {
+            if (variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles(a)))
+                return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
+        }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
             if (variant == 33) return launch_gemv_sa<K, CB, NG, 2>(a, stream);

@@ -198,6 +198,7 @@ void set_gemv_split_finish(int mode) { gemv_split_finish() = mode >= 0 && mode <
 void set_finish_early_reads(bool enabled) { finish_early_reads() = enabled; }
 int gemv_split_finish_setting() { return gemv_split_finish(); }
 void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
+void set_gemv_sa_tiles(int rule) { gemv_sa_tiles() = rule == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 2 ? mode : 1; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }
 
@@ -253,7 +254,8 @@ int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int
     const int ng = rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
     const SaGrid g = with_k(K, SaGrid{}, [&](auto k) {
         constexpr int kK = decltype(k)::value;
-        return ng == 1 ? sa_grid<kK, 1>(a) : ng == 2 ? sa_grid<kK, 2>(a) : sa_grid<kK, 4>(a);
+        if (ng == 4) return sa_two_tiles(a) ? sa_grid<kK, 4, kSaTwoTiles>(a) : sa_grid<kK, 4>(a);
+        return ng == 1 ? sa_grid<kK, 1>(a) : sa_grid<kK, 2>(a);
     });
     slices = g.nsl;
     slice_rows = g.ks;

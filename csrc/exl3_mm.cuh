@@ -198,6 +198,14 @@ inline int& gemv_shared_acts() {
     return v;
 }
 
+// The block-shared kernel's units: 1 (default) two tiles per unit at 25..32 rows of layers of
+// fewer than 4096 x 18432 weights (sa_two_tiles), 0 four tiles everywhere (the rule before session
+// 37, a benchmark baseline).
+inline int& gemv_sa_tiles() {
+    static int v = 1;
+    return v;
+}
+
 // Which products leave their output transform to a kernel of its own (gv_finish_kernel, launched
 // as their programmatic dependent) instead of the warp that completes each 128-column block: 0
 // none, 1 the block-shared kernel's (17..32 rows of large layers), 2 also the per-warp kernel's

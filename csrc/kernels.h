@@ -237,6 +237,7 @@ void set_finish_early_reads(bool enabled);
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before
 // session 28 (about 8 column groups per block), a benchmark baseline.
 void set_gemv_sa_grid(int rule);
+void set_gemv_sa_tiles(int rule);
 // Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
 // (default), or 1 (row by row, the earlier order; a benchmark baseline).
 void set_gemv_finish_rows(int rows);

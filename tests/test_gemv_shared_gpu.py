@@ -23,6 +23,9 @@ from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, wor
 # that with MUL1's byte sums by MMAs, mul1_f16_by_mma)
 SHARED, PER_WARP = 30, 31
 BENCH_CONFIGS = (32, 33, 34, 35, 37, 39, 40)
+# the block-shared kernel with two tiles per unit (shipped at 25..32 rows of layers under 4096 x
+# 28672 weights; every build has it, for every K and codebook)
+TWO_TILES = 44
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))
@@ -44,6 +47,10 @@ def test_shared_kernel_matches_reference_for_every_row_group(K, cb):
             with ops.debug_variant(variant):
                 y_cfg = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
             assert rel_rms(y_cfg, want) < 2e-3, (rows, variant)
+        with ops.debug_variant(TWO_TILES):
+            y_two = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        assert rel_rms(y_two, want) < 2e-3, (rows, rel_rms(y_two, want))
+        assert rel_rms(y_two, y_old) < 1e-3, rows
         assert y.shape == (rows, 640)
         assert rel_rms(y, want) < 2e-3, (rows, rel_rms(y, want))
         assert rel_rms(y, y_old) < 1e-3, rows
@@ -60,6 +67,34 @@ def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
         names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
         assert any("gemv_sa" in n for n in names) == shared, (rows, t.trellis.shape, names)
         assert any("gemv_sa" not in n for n in names) != shared, (rows, names)
+
+
+def _sa_cfg(names: set[str]) -> int:
+    """The CFG template argument of the block-shared kernel in a set of kernel names (its last)."""
+    (name,) = [n for n in names if "gemv_sa" in n]
+    return int(name.split("<", 1)[1].split(">", 1)[0].split(",")[-1])
+
+
+def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096x18432():
+    """The block-shared kernel takes two tiles per unit (CFG 512, kSaTwoTiles) at 25..32 rows of
+    layers of fewer than 4096 x 18432 weights, four at 17..24 rows, at and above that size, and
+    everywhere with the setting at 0; both give the reference's product."""
+    ext = ops.extension()
+    cases = ((4096, 14336, 32, True), (14336, 4096, 25, True), (14336, 4096, 24, False), (8192, 10240, 32, False))
+    for n_in, n_out, rows, two in cases:
+        t = rand_layer(n_in, n_out, 4, "mul1", seed=n_in + 3 * n_out)
+        x = torch.randn(rows, n_in, device=DEV).half()
+        want = fmt.exl3_matmul_reference(x.float(), t)
+        try:
+            for setting in (1, 0):
+                ext.set_gemv_sa_tiles(setting)
+                names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+                assert _sa_cfg(names) == (512 if two and setting else 0), (n_in, n_out, rows, setting, names)
+                y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+                assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows, setting, rel_rms(y, want))
+        finally:
+            ext.set_gemv_sa_tiles(1)
+    assert workspaces_zero()
 
 
 @pytest.mark.parametrize("n_in,n_out", [(128, 128), (4096, 256), (384, 4096), (14336, 512), (8192, 2048)])
@@ -193,19 +228,20 @@ def test_shared_kernel_mul1_row_sums_over_slices(rows):
     """MUL1 on the block-shared kernel decodes to 1024 + t and adds k_bias times the row sums of
     each k slice once per column group: inputs of mean 1 with unit input scales make that term
     ~30x the product, on a shape of several slices (8192 inputs) and several blocks per slice;
-    the per-pair affine decode (variant 35), the byte sums by MMAs (variant 40) and the per-warp
-    kernel agree with it."""
+    the per-pair affine decode (variant 35), the byte sums by MMAs (variant 40), two tiles per unit
+    (variant 44) and the per-warp kernel agree with it."""
     t = rand_layer(8192, 2048, 4, "mul1", seed=rows)
     t = fmt.EXL3Tensors(t.trellis, torch.ones_like(t.suh), t.svh, "mul1", None)
     x = (1.0 + 0.1 * torch.randn(rows, 8192, device=DEV)).half()
     want = fmt.exl3_matmul_reference(x.float(), t)
     got = {}
-    for variant in (SHARED, 35, 40, PER_WARP):
+    for variant in (SHARED, 35, 40, TWO_TILES, PER_WARP):
         with ops.debug_variant(variant):
             got[variant] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
         assert rel_rms(got[variant], want) < 2e-3, (variant, rel_rms(got[variant], want))
     assert rel_rms(got[SHARED], got[35]) < 1e-3
     assert rel_rms(got[SHARED], got[40]) < 1e-3
+    assert rel_rms(got[SHARED], got[TWO_TILES]) < 1e-3
     assert workspaces_zero()
 
 
@@ -249,12 +285,14 @@ def test_grid_never_asks_for_a_second_wave():
                 assert slices * slice_rows >= n_in // 16 and slice_rows <= 64, (K, n_in, slices, slice_rows)
                 assert blocks >= 1.8 * sms, (K, n_in, n_out, blocks)  # and not many idle
     assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 4
-    if sms == 132:  # the H100 / H200 count the old rule's 10 slices were worked out for
+    if sms == 132:  # the H100 / H200 count the old rule's 10 slices were worked out for (four tiles a unit)
         ext.set_gemv_sa_grid(0)
+        ext.set_gemv_sa_tiles(0)
         try:
             assert ext.gemv_sa_plan(4, 32, 4096, 14336, sms)[1] == 10
         finally:
             ext.set_gemv_sa_grid(1)
+            ext.set_gemv_sa_tiles(1)
 
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 32])
