@@ -368,14 +368,16 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
 }
 
 // Whether a block-shared product takes two tiles per unit (kSaTwoTiles) instead of four: 25..32
-// rows of layers of fewer than 4096 x 18432 weights, unless gemv_sa_tiles is 0. Measured (session
-// 37, K = 4 MUL1, csrc/PERF_NOTES.md), four tiles against two, on the H200: at 28 and 32 rows
-// 4096x14336 32.3 / 33.7 us against 30.5 / 31.2, 14336x4096 34.3 / 35.3 against 32.5 / 33.1,
-// 8192x8192 34.4 / 35.4 against 33.5 / 33.8, 5120x13824 36.2 / 37.8 against 35.6 / 36.5; at 24 rows
-// within 1% (3584x18944 2% slower); at 17 and 20 rows two tiles 0-7% slower; 8192x10240 1-7% and
-// 4096x28672 2% slower at every row count.
-inline bool sa_two_tiles(const MmArgs& a) {
-    return gemv_sa_tiles() == 1 && a.m > 24 && (long)a.in * a.out < 4096L * 18432;
+// rows of layers of fewer than 4096 x 18432 weights at K <= 4, unless gemv_sa_tiles is 0.
+// Measured on the H200 (session 37, csrc/PERF_NOTES.md), four tiles against two: K = 4 MUL1 at 28
+// and 32 rows 4096x14336 32.3 / 33.7 us against 30.5 / 31.2, 14336x4096 34.3 / 35.3 against 32.5 /
+// 33.1, 8192x8192 34.4 / 35.4 against 33.5 / 33.8, 5120x13824 36.2 / 37.8 against 35.6 / 36.5; at
+// 24 rows within 1% (3584x18944 2% slower); at 17 and 20 rows two tiles 0-7% slower; 8192x10240
+// 1-7% and 4096x28672 2% slower at every row count. At 32 rows of 4096x14336 and 14336x4096, K = 2
+// and 4 gained 2-9% with 3INST and MUL1, K = 6 lost 4-5% with 3INST (gained 2-4% with MUL1).
+template <int K>
+bool sa_two_tiles(const MmArgs& a) {
+    return K <= 4 && gemv_sa_tiles() == 1 && a.m > 24 && (long)a.in * a.out < 4096L * 18432;
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.
@@ -384,7 +386,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     if (sa_applies<K, NG>(a, variant)) {
         if constexpr (NG == 4) {
-            if (variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles(a)))
+            if (variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a)))
                 return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations

@@ -254,7 +254,7 @@ int gemv_sa_plan(int K, int rows, int in, int out, int num_sms, int& slices, int
     const int ng = rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
     const SaGrid g = with_k(K, SaGrid{}, [&](auto k) {
         constexpr int kK = decltype(k)::value;
-        if (ng == 4) return sa_two_tiles(a) ? sa_grid<kK, 4, kSaTwoTiles>(a) : sa_grid<kK, 4>(a);
+        if (ng == 4) return sa_two_tiles<kK>(a) ? sa_grid<kK, 4, kSaTwoTiles>(a) : sa_grid<kK, 4>(a);
         return ng == 1 ? sa_grid<kK, 1>(a) : sa_grid<kK, 2>(a);
     });
     slices = g.nsl;

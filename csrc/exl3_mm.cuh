@@ -199,8 +199,8 @@ inline int& gemv_shared_acts() {
 }
 
 // The block-shared kernel's units: 1 (default) two tiles per unit at 25..32 rows of layers of
-// fewer than 4096 x 18432 weights (sa_two_tiles), 0 four tiles everywhere (the rule before session
-// 37, a benchmark baseline).
+// fewer than 4096 x 18432 weights at K <= 4 (sa_two_tiles), 0 four tiles everywhere (the rule
+// before session 37, a benchmark baseline).
 inline int& gemv_sa_tiles() {
     static int v = 1;
     return v;
