@@ -851,7 +851,7 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
 }
 
 // Debug variants: 1-6 the timing probes (one-group shapes; 4-6 K = 4 MUL1 only), 10 + CFG an occupancy configuration
-// and 24 CFG 16 (one row on the integer path) (K = 4, MUL1 only, so that builds stay short).
+// (K = 4, MUL1 only, so that builds stay short).
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
     if (a.next.mode || a.in_part) {  // a decode chain: the MUL1 integer path, one group of rows
@@ -897,10 +897,6 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == 18) return launch_gemv_var<K, CB, PATH, NG, 0, 8>(a, stream);
                 if (variant == 19) return launch_gemv_var<K, CB, PATH, NG, 0, 9>(a, stream);
                 if (variant == 20) return launch_gemv_var<K, CB, PATH, NG, 0, 10>(a, stream);
-                if constexpr (PATH == GV_I8) {  // CFG 16's activations hold one row
-                    if (variant == 24) return a.m == 1 ? launch_gemv_var<K, CB, PATH, NG, 0, kGvOneRowCfg>(a, stream)
-                                                       : cudaErrorInvalidValue;
-                }
             }
         }
     }

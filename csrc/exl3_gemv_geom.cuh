@@ -71,16 +71,8 @@ __host__ __device__ constexpr GvTune gv_tune(int cfg) {
            : cfg == 8 ? GvTune{8, 4, 2, 2}
            : cfg == 9 ? GvTune{8, 3, 2, 2}
            : cfg == 10 ? GvTune{8, 2, 2, 4}
-           : cfg == 16 ? GvTune{8, 3, 2, 4}
-                      : GvTune{0, 0, 2};
+                       : GvTune{0, 0, 2};
 }
-// Debug CFG 16 (variant 24; the integer path at one row only): CFG 10 with a third ring stage,
-// paid for by a k row's activations taking the 8 lanes that one row uses (32 words) instead of
-// four rows' 128. Why: ncu's stall samples of CFG 10 at one row of 8192x28672 (H100, session 34)
-// put 21% of all warp samples on the wait for the next stage's data (long scoreboard after
-// cp.async.wait_group), so two stages in flight instead of one might cover the memory latency.
-// Measured on an H100 (session 35): 5-15% slower than CFG 10 at one row, decode 6% slower.
-constexpr int kGvOneRowCfg = 16;
 
 enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
 
@@ -100,8 +92,7 @@ struct GvShape {
 // own input, SP); a stage holds KR of them.
 template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
 __host__ __device__ constexpr int gv_row_words() {
-    constexpr int acts = CFG == kGvOneRowCfg && PATH == GV_I8 && NG == 1 ? 32 : NG * 32 * GvShape<PATH, NG, CFG>::BW;
-    return GvShape<PATH, NG, CFG>::CT * 8 * K + (SP ? 0 : acts);
+    return GvShape<PATH, NG, CFG>::CT * 8 * K + (SP ? 0 : NG * 32 * GvShape<PATH, NG, CFG>::BW);
 }
 template <int K, int PATH, int NG, int CFG = 0, bool SP = false>
 __host__ __device__ constexpr int gv_stage_words() {

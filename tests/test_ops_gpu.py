@@ -118,24 +118,6 @@ def test_occupancy_configurations_match_reference(variant):
 
 
 @pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672)])
-def test_one_row_deeper_ring_matches_reference(n_in, n_out):
-    """Debug variant 24 (CFG 16: CFG 10's units with a third ring stage, room made by a k row's
-    activations holding one row) gives the reference's one-row product, on the integer path it
-    exists for; it refuses more rows, whose activations would not fit its stages."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=23, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    x = torch.randn(1, n_in, device=DEV).half()
-    y0 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
-    with ops.debug_variant(24):
-        y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
-        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w)) < 2e-3
-        assert rel_rms(y, y0) < 1e-3
-        with pytest.raises(RuntimeError, match="trellis kernel failed"):
-            ops.exl3_gemm(torch.randn(2, n_in, device=DEV).half(), t, mode="fused", int8=True, version=3)
-    assert workspaces_zero()
-
-
-@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672)])
 def test_decode_split_between_alu_and_fma_pipes_gives_the_same_product(n_in, n_out):
     """The K = 4 MUL1 integer path takes the product s * M of one state per window as W * M -
     (hi * M) << 16 instead of masking the low state first (lane_products_k4): the same integers.
