@@ -23,7 +23,8 @@ constexpr bool kDebugVariants = false;
 #endif
 constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles per unit (kSaTwoTiles)
 inline bool debug_variant_built(int variant) {
-    return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 || variant == kSaVarTwoTiles;
+    return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
+           variant == kSaVarTwoTiles;
 }
 // Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12) and the integer path's
 // words by shared loads, 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session

@@ -38,8 +38,9 @@ constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, k
               kSaTwoTiles = 512;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
-    static constexpr int C = CFG & 3;  // the shape part of CFG
-    static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;  // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int C = CFG & 3;                           // the shape part of CFG
+    // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis

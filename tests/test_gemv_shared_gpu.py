@@ -24,7 +24,7 @@ from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, wor
 SHARED, PER_WARP = 30, 31
 BENCH_CONFIGS = (32, 33, 34, 35, 37, 39, 40)
 # the block-shared kernel with two tiles per unit (shipped at 25..32 rows of layers under 4096 x
-# 28672 weights; every build has it, for every K and codebook)
+# 18432 weights, K <= 4; every build has it, for every K and codebook)
 TWO_TILES = 44
 
 
