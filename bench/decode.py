@@ -467,7 +467,9 @@ def graph_breakdown(model, context: int = 0, tokens: int = 8) -> dict:
             "kernel_us_per_token": round(busy / tokens, 1), "wall_us_per_token": round(wall * 1e6 / tokens, 1),
             "top": [{"kernel": k, "us_per_token": round(us / tokens, 1), "per_token": round(n / tokens, 1)}
                     for k, (us, n) in top],
-            "by_site": sites_of_layer(kernels, len(model.layers), tokens)}
+            "by_site": sites_of_layer(kernels, len(model.layers), tokens),
+            "critical_path": layer_critical_path(
+                [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in kernels], tokens)}
 
 
 def sites_of_layer(kernels, layers: int, tokens: int) -> dict:
@@ -490,6 +492,36 @@ def sites_of_layer(kernels, layers: int, tokens: int) -> dict:
                 counts[j % per_layer] += 1
         out[label] = [round(s / max(1, n), 2) for s, n in zip(sums, counts)]
     return out
+
+
+def layer_critical_path(kernels: list[tuple[str, float, float]], tokens: int, anchor: str = "attention") -> dict:
+    """Where a decode layer's time goes on the critical path: each kernel's end minus the latest end
+    before it (under PDL a kernel starts before its predecessor ends, so its own duration
+    overstates what it adds), averaged over the last token's full layers by the kernel's place in
+    the layer, which starts at its attention kernel (all layers but the last, whose window would
+    run into the head). kernels: (name, start, duration) in us, every token's. Why: sessions 31
+    and 32 read this off a timeline file by hand."""
+    per_token = len(kernels) // tokens if tokens else 0
+    last = sorted(kernels, key=lambda k: k[1])[-per_token:] if per_token else []
+    starts = [i for i, k in enumerate(last) if anchor in k[0]]
+    if len(starts) < 2:
+        return {}
+    period = starts[1] - starts[0]
+    if any(b - a != period for a, b in zip(starts, starts[1:])):
+        return {"error": "layers of different kernel counts"}
+    full = starts[:-1]  # the last layer's window would run into the head
+    ends, latest = [], float("-inf")
+    for _, start, dur in last:
+        latest = max(latest, start + dur)
+        ends.append(latest)
+    sites = []
+    for j in range(period):
+        shares = [ends[a + j] - ends[a + j - 1] for a in full if a + j >= 1]
+        durs = [last[a + j][2] for a in full]
+        sites.append({"kernel": last[starts[0] + j][0][:60], "critical_us": round(sum(shares) / max(1, len(shares)), 2),
+                      "us": round(sum(durs) / max(1, len(durs)), 2)})
+    layer = sum(site["critical_us"] for site in sites)
+    return {"layers": len(full), "layer_us": round(layer, 1), "sites": sites}
 
 
 def profile_eager(model, path: str) -> None:
