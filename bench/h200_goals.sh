@@ -2,13 +2,15 @@
 # The issue's goals on an H200, and nothing on any other GPU: it stops after nvidia-smi unless the
 # card is an H200, so a call that lands on an H100 costs only the machine's start. Why: the lent
 # machines are mostly H100s, and the goals (and the last figures in csrc/PERF_NOTES.md) are the
-# H200's. Carry .devcarry/shared. ~280 s on an H200 with a fresh build:
+# H200's. Carry .devcarry/shared. ~300 s on an H200 with a fresh build (80 s with a cached one,
+# session 37):
 #   the shipped build (no debug variants); the 8192x28672 K = 4 products at 1, 8 and 32 rows twice,
 #   dense fp16 in the same runs; batch-1 decode twice (CUDA graphs, synthetic 4.0 bpw
-#   Llama-3.1-8B shapes); prefill of 4,096 tokens; bench/stream_probe.cu (how fast the one-row
-#   product's ring reads its trellis with no decode, against a plain read: on an H100 41-42 us
-#   against 39, session 36); ncu of the one-row product (issue, stalls, DRAM) and its stall samples
-#   per SASS instruction ($OUT/ncu_src.csv).
+#   Llama-3.1-8B shapes) and its layer's critical path by kernel (--breakdown); prefill of 4,096
+#   tokens; bench/stream_probe.cu (how fast the one-row product's ring reads its trellis with no
+#   decode, against a plain read: on the H200 30.3 us against 27.6, session 37); ncu of the
+#   one-row product (issue, stalls, DRAM) and its stall samples per SASS instruction
+#   ($OUT/ncu_src.csv).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1  # gpu_common.sh then builds the shipped kernels alone, runs no tests
@@ -23,6 +25,12 @@ timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device c
 echo "== decode, batch 1 $(el)s" | tee -a $L
 timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --paths cuda-graph cuda-graph 2>&1 \
   | grep '"tokens_per_s\|error' | cut -c1-170 | tee -a $L
+echo "== decode layer's critical path by kernel site $(el)s" | tee -a $L  # bench.decode --breakdown
+timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 48 --breakdown --paths cuda-graph 2>&1 \
+  | grep '"critical_path"' | python3 -c 'import sys, json
+for l in sys.stdin:
+  c = json.loads(l)["critical_path"]; print("layer_us", c.get("layer_us"), c.get("error", ""))
+  for s in c.get("sites", []): print("  ", s["critical_us"], s["us"], s["kernel"])' | tee -a $L
 echo "== prefill 4096 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -1 | tee -a $L
 echo "== stream probe $(el)s" | tee -a $L  # the ring's read rate without the product's work
