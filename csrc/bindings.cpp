@@ -847,7 +847,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,
           "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("set_gemv_sa_tiles", &trellis::set_gemv_sa_tiles,
-          "the block-shared product: 1 two tiles per unit at 25..32 rows of layers under 4096 x 18432 weights, K <= 4 (default); 0 four tiles everywhere");
+          "the block-shared product: 1 two tiles per unit at 25..32 rows of layers under 4096 x 18432 weights, K <= 4 (default); 0 four tiles everywhere; 2 two tiles everywhere (benchmarks)");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,
           "whether this build has this debug variant of the products (all with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,

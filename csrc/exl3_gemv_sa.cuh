@@ -376,9 +376,11 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
 // 24 rows within 1% (3584x18944 2% slower); at 17 and 20 rows two tiles 0-7% slower; 8192x10240
 // 1-7% and 4096x28672 2% slower at every row count. At 32 rows of 4096x14336 and 14336x4096, K = 2
 // and 4 gained 2-9% with 3INST and MUL1, K = 6 lost 4-5% with 3INST (gained 2-4% with MUL1).
+// Setting 2 (a benchmark mode) takes two tiles wherever the kernel has four row groups.
 template <int K>
 bool sa_two_tiles(const MmArgs& a) {
-    return K <= 4 && gemv_sa_tiles() == 1 && a.m > 24 && (long)a.in * a.out < 4096L * 18432;
+    const int mode = gemv_sa_tiles();
+    return mode == 2 || (mode == 1 && K <= 4 && a.m > 24 && (long)a.in * a.out < 4096L * 18432);
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.

@@ -200,7 +200,8 @@ inline int& gemv_shared_acts() {
 
 // The block-shared kernel's units: 1 (default) two tiles per unit at 25..32 rows of layers of
 // fewer than 4096 x 18432 weights at K <= 4 (sa_two_tiles), 0 four tiles everywhere (the rule
-// before session 37, a benchmark baseline).
+// before session 37, a benchmark baseline), 2 two tiles at every K, shape and 17..32 rows (a
+// benchmark mode, to measure where the rule does not reach).
 inline int& gemv_sa_tiles() {
     static int v = 1;
     return v;

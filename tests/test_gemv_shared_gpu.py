@@ -78,7 +78,8 @@ def _sa_cfg(names: set[str]) -> int:
 def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096x18432():
     """The block-shared kernel takes two tiles per unit (CFG 512, kSaTwoTiles) at 25..32 rows of
     layers of fewer than 4096 x 18432 weights, four at 17..24 rows, at and above that size, and
-    everywhere with the setting at 0; both give the reference's product."""
+    everywhere with the setting at 0; with it at 2 (a benchmark mode) two everywhere; all give the
+    reference's product."""
     ext = ops.extension()
     cases = ((4096, 14336, 32, True), (14336, 4096, 25, True), (14336, 4096, 24, False), (8192, 10240, 32, False))
     for n_in, n_out, rows, two in cases:
@@ -86,10 +87,11 @@ def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096
         x = torch.randn(rows, n_in, device=DEV).half()
         want = fmt.exl3_matmul_reference(x.float(), t)
         try:
-            for setting in (1, 0):
+            for setting in (1, 0, 2):
                 ext.set_gemv_sa_tiles(setting)
                 names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
-                assert _sa_cfg(names) == (512 if two and setting else 0), (n_in, n_out, rows, setting, names)
+                want_cfg = 512 if setting == 2 or (two and setting == 1) else 0
+                assert _sa_cfg(names) == want_cfg, (n_in, n_out, rows, setting, names)
                 y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows, setting, rel_rms(y, want))
         finally:

@@ -234,7 +234,8 @@ def extension():
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
         _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
         # Its units (TRELLIS_GV_SA_TILES): 1 (default) two tiles per unit at 25..32 rows of layers of
-        # fewer than 4096 x 18432 weights at K <= 4, 0 four tiles everywhere (as before session 37).
+        # fewer than 4096 x 18432 weights at K <= 4, 0 four tiles everywhere (as before session 37),
+        # 2 two tiles at every K, shape and 17..32 rows (benchmarks).
         _ext.set_gemv_sa_tiles(int(os.environ.get("TRELLIS_GV_SA_TILES", "1") or 1))
         # Workspace rows a product's finishing warp reads per round trip (TRELLIS_FINISH_ROWS=1: row by
         # row, the earlier order, for a same-run baseline).
