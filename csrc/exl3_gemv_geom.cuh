@@ -22,6 +22,7 @@ constexpr bool kDebugVariants = true;
 constexpr bool kDebugVariants = false;
 #endif
 constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles per unit (kSaTwoTiles)
+constexpr int kSaVarSkipEmpty = 45;  // debug: no MMAs for its empty row groups (kSaSkipEmpty)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

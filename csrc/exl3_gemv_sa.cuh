@@ -33,9 +33,11 @@ namespace trellis {
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
-// unit at four row groups instead of four.
+// unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
+// 37, not yet run): no MMAs for row groups without rows (the fourth at 17..24 rows), under a
+// warp-uniform test; the accumulators stay.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128,
-              kSaTwoTiles = 512;
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -175,6 +177,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     bool has_b[NG];  // the lane's B column (row lane / 4 of each group of 8) is a real row
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
+    const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // groups with a row (kSaSkipEmpty)
 
     int c_grp = g_first + (int)(u0 / nru);
     int c_row = r0 + KR * (int)(u0 % nru);
@@ -221,7 +224,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
                                                                        shift, v, tc_select);
 #pragma unroll
-                for (int gr = 0; gr < NG; ++gr) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                for (int gr = 0; gr < NG; ++gr) {
+                    if ((CFG & kSaSkipEmpty) && gr >= live_groups) continue;
+                    mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                }
             }
         }
         seg_units += KR;
@@ -342,7 +348,9 @@ SaGrid sa_grid(const MmArgs& a) {
 // of the version-3 kernel) off. Segment starts must fall on its column groups.
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || (variant > 40 && variant != kSaVarTwoTiles) || variant == 31)) return false;
+    if (variant != 0 && (variant < 30 || (variant > 40 && variant != kSaVarTwoTiles && variant != kSaVarSkipEmpty) ||
+                         variant == 31))
+        return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
@@ -402,6 +410,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 38) return launch_gemv_sa<K, CB, NG, kSaNoFinish>(a, stream);
             if (variant == 39) return launch_gemv_sa<K, CB, NG, kSaA12>(a, stream);
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
+            if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

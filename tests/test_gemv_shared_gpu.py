@@ -20,9 +20,9 @@ from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, wor
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
 # four k rows per unit; K = 4's states with the previous word masked once, lane_states_k4's A12;
-# that with MUL1's byte sums by MMAs, mul1_f16_by_mma)
+# that with MUL1's byte sums by MMAs, mul1_f16_by_mma; no MMAs for empty row groups, kSaSkipEmpty)
 SHARED, PER_WARP = 30, 31
-BENCH_CONFIGS = (32, 33, 34, 35, 37, 39, 40)
+BENCH_CONFIGS = (32, 33, 34, 35, 37, 39, 40, 45)
 # the block-shared kernel with two tiles per unit (shipped at 25..32 rows of layers under 4096 x
 # 18432 weights, K <= 4; every build has it, for every K and codebook)
 TWO_TILES = 44
