@@ -23,11 +23,12 @@ done
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode, batch 1 $(el)s" | tee -a $L
-timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --paths cuda-graph cuda-graph 2>&1 \
-  | grep '"tokens_per_s\|error' | cut -c1-170 | tee -a $L
-echo "== decode layer's critical path by kernel site $(el)s" | tee -a $L  # bench.decode --breakdown
-timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 48 --breakdown --paths cuda-graph 2>&1 \
-  | grep '"critical_path"' | python3 -c 'import sys, json
+# --breakdown: after each path's timed tokens, a profiled 8 (the layer's critical path by kernel site)
+timeout 120 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 128 --paths cuda-graph cuda-graph --breakdown \
+  > /tmp/decode_b1.txt 2>&1
+grep '"tokens_per_s\|error' /tmp/decode_b1.txt | grep -v '"critical_path"' | cut -c1-170 | tee -a $L
+echo "== decode layer's critical path by kernel site $(el)s" | tee -a $L
+grep '"critical_path"' /tmp/decode_b1.txt | head -1 | python3 -c 'import sys, json
 for l in sys.stdin:
   c = json.loads(l)["critical_path"]; print("layer_us", c.get("layer_us"), c.get("error", ""))
   for s in c.get("sites", []): print("  ", s["critical_us"], s["us"], s["kernel"])' | tee -a $L

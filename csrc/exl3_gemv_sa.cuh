@@ -177,7 +177,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     bool has_b[NG];  // the lane's B column (row lane / 4 of each group of 8) is a real row
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
-    const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // groups with a row (kSaSkipEmpty)
+    const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // MMAs for these groups only
 
     int c_grp = g_first + (int)(u0 / nru);
     int c_row = r0 + KR * (int)(u0 % nru);
@@ -224,10 +224,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
                                                                        shift, v, tc_select);
 #pragma unroll
-                for (int gr = 0; gr < NG; ++gr) {
-                    if ((CFG & kSaSkipEmpty) && gr >= live_groups) continue;
-                    mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
-                }
+                for (int gr = 0; gr < NG; ++gr)
+                    if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
             }
         }
         seg_units += KR;
@@ -344,13 +342,14 @@ SaGrid sa_grid(const MmArgs& a) {
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
 // 14336x4096, so the per-warp kernel stays); 2 always.
-// Debug variants 30 and 32-40 force it on, 31 and the other variants (probes and configurations
-// of the version-3 kernel) off. Segment starts must fall on its column groups.
+// Debug variants 30, 32-40, 44 and 45 force it on (sa_forced), 31 and the other variants (probes
+// and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
+constexpr bool sa_forced(int variant) {
+    return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty;
+}
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && (variant < 30 || (variant > 40 && variant != kSaVarTwoTiles && variant != kSaVarSkipEmpty) ||
-                         variant == 31))
-        return false;
+    if (variant != 0 && !sa_forced(variant)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
