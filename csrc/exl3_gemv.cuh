@@ -277,6 +277,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  int seg_c3, int early_trigger, int finish_rows, float* __restrict__ zero_after, int zero_n,
                  const __grid_constant__ GvChainArg<CH> chain) {
     static_assert(!SP || (PATH == GV_I8 && NG == 1), "self prep: integer path, one row");
+    constexpr bool kInFinish = gv_in_finish(VAR, CH, NG);  // finish_rows > 0 possible (unsplit)
     using S = GvShape<PATH, NG, CFG>;
     constexpr int CT = S::CT;
     constexpr int NS = gv_ring_stages<K, PATH, NG, CFG, SP>();
@@ -745,9 +746,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 if (t == 1.25e-37f) z[lane] = t;
             } else {
                 // finish_rows 0: gv_finish_kernel transforms the output after this kernel (no count).
-                if (y && VAR != 6 && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                if (kInFinish && y && VAR != 6 && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
                 flush();
-                if (y && VAR != 6 && finish_rows) finish_block(sv, bv);
+                if (kInFinish && y && VAR != 6 && finish_rows) finish_block(sv, bv);
             }
             if (!last) {
                 zero_acc();
@@ -764,7 +765,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
         }
     }
     if constexpr (CH) chained.drain([&](int blk) { gv_chain_block(&chain.next, y, blk, lane); });
-    if constexpr (PATH == GV_F16)
+    if constexpr (PATH == GV_F16 && kInFinish)
         deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     cp_async_wait<0>();
 }
@@ -793,7 +794,15 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;
     // with 5 also a decode chain's product, launched here without its chain code: CH false).
     const int split_from = PATH == GV_I8 ? 4 : NG >= 2 ? 2 : 3;
-    const bool split = !CH && gv_shipped_schedule(VAR) && a.y && gemv_split_finish() >= split_from;
+    // A kernel without the warps' output stage (gv_in_finish) always splits; unsplit, a shipped-
+    // schedule product takes debug variant 47's kernel, which has it (debug builds only: a shipped
+    // build splits regardless).
+    constexpr bool kInFinish = gv_in_finish(VAR, CH, NG);
+    if constexpr (!kInFinish && kDebugVariants) {
+        if (a.y && gemv_split_finish() < split_from)
+            return launch_gemv_var<K, CB, PATH, NG, kGvVarInFinish, CFG, SP, CH>(a, stream);
+    }
+    const bool split = !CH && gv_shipped_schedule(VAR) && a.y && (!kInFinish || gemv_split_finish() >= split_from);
     // Split, the integer path leaves MUL1's constant term to the finish kernel (GvC0; not with self
     // prep, whose warps add their own k rows' part).
     const bool c0_late = split && PATH == GV_I8 && !SP && VAR != kGvVarC0Tail;
@@ -846,6 +855,7 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
         }
+        if (variant == kGvVarInFinish) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarInFinish>(a, false, stream);
     }
     return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
 }

@@ -23,6 +23,7 @@ constexpr bool kDebugVariants = false;
 #endif
 constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles per unit (kSaTwoTiles)
 constexpr int kSaVarSkipEmpty = 45;  // debug: no MMAs for its empty row groups (kSaSkipEmpty)
+constexpr int kSaVarInFinish = 46;   // debug: its warps' output stage compiled in (kSaInFinish), run split
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;
@@ -36,9 +37,25 @@ inline bool debug_variant_built(int variant) {
 // 36: added by the integer-path product's warp that holds a column group's k row 0, which gathers
 // the input's chunk sums at its flush, on the product's tail (now the finish kernel does, GvC0).
 // Right results; a decode step under it keeps its chains.
-constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41;
+// Debug variant 47 (kGvVarInFinish) is the shipped kernel with its warps' output stage compiled in
+// (gv_in_finish), as every kernel had it until session 38: the baseline of that change, and the
+// form a shipped-schedule product takes when it runs unsplit (gemv_split_finish below its path's
+// setting; debug builds only, a shipped build splits regardless).
+constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
-    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail;
+    return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail ||
+           var == kGvVarInFinish;
+}
+// Whether a per-warp kernel has its warps' output stage (the warp that completes a 128-column block
+// transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug variants
+// off the shipped schedule; kGvVarInFinish), and the two-group kernels (9..16 rows). Why: in the
+// split products, where it never runs, its code cost time. Without it (H100, session 38,
+// csrc/PERF_NOTES.md): one row 1-5% faster, 8 rows 2-11%, 32 rows of 4096x6144 10%, batch-1 decode
+// 2.3%, and the block-shared kernel at 32 rows of 8192x28672 8% (kSaInFinish). But the two-group
+// kernel took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length
+// (250 against 248 instructions a unit, no spills): not understood, so it keeps the stage.
+__host__ __device__ constexpr bool gv_in_finish(int var, bool ch, int ng) {
+    return ch || ng == 2 || !gv_shipped_schedule(var) || var == kGvVarInFinish;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

@@ -35,9 +35,14 @@ namespace trellis {
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
 // unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
 // 37, not yet run): no MMAs for row groups without rows (the fourth at 17..24 rows), under a
-// warp-uniform test; the accumulators stay.
+// warp-uniform test; the accumulators stay. CFG 2048 (kSaInFinish): the warps' output stage (the
+// warp that completes a 128-column block transforms it) compiled in. Only unsplit products need it
+// (gemv_split_finish 0, a debug-build baseline); the split ones, every shipped product, run without
+// its code: at 32 rows of 8192x28672 the kernel without it measured 8% faster (80.5 against
+// 87.4 us on an H100, debug variant 38 against 30, csrc/PERF_NOTES.md session 38), though it never
+// ran there. Debug variant 46 keeps it in and runs split (the baseline of that change).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128,
-              kSaTwoTiles = 512, kSaSkipEmpty = 1024;
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -78,6 +83,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // (session 27): 8192x28672 and 28672x8192 at 17 and 32 rows 6% faster, 14336x4096 2-4%,
     // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
+    constexpr bool kInFinish = (CFG & kSaInFinish) != 0;  // finish_rows > 0 possible (unsplit)
     constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
@@ -242,7 +248,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 if (t == 1.25e-37f) z[lane] = t;
             } else {
                 // finish_rows 0: gv_finish_kernel transforms the output after this kernel (no count).
-                if (y && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                if (kInFinish && y && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
                 if constexpr (RAW) {
                     // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
                     float sacc[NG][4];
@@ -257,7 +263,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 } else {
                     gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
                 }
-                if (y && finish_rows && !(CFG & kSaNoFinish)) finish_block(sv, bv);
+                if (kInFinish && y && finish_rows && !(CFG & kSaNoFinish)) finish_block(sv, bv);
             }
             if (!last) {
                 zero_acc();
@@ -268,7 +274,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             }
         }
     }
-    deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
+    if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     cp_async_wait<0>();
 }
 
@@ -342,10 +348,11 @@ SaGrid sa_grid(const MmArgs& a) {
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
 // 14336x4096, so the per-warp kernel stays); 2 always.
-// Debug variants 30, 32-40, 44 and 45 force it on (sa_forced), 31 and the other variants (probes
+// Debug variants 30, 32-40 and 44-46 force it on (sa_forced), 31 and the other variants (probes
 // and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
-    return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty;
+    return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
+           variant == kSaVarInFinish;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -368,7 +375,13 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
     const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
-    const bool split = a.y && gemv_split_finish() >= 1;
+    // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
+    // a shipped build splits regardless.
+    constexpr bool kInFinish = (CFG & kSaInFinish) != 0;
+    if constexpr (!kInFinish && kDebugVariants) {
+        if (a.y && gemv_split_finish() < 1) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
+    }
+    const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
                                           smem, stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
@@ -410,6 +423,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 39) return launch_gemv_sa<K, CB, NG, kSaA12>(a, stream);
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);
+            if (variant == kSaVarInFinish) return launch_gemv_sa<K, CB, NG, kSaInFinish>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -316,3 +316,61 @@ def test_split_finish_of_the_integer_path(rows):
     """Setting 4 (and up; 5 the default) gives the integer path's products (1..4 rows) the finish
     kernel too; 3 leaves them to their warps."""
     _finish_kernel_against_warps(rows, 4, 3, int8=True)
+
+
+def _template_args(names: set[str], kernel: str) -> list[list[str]]:
+    """The template arguments of each launched instantiation of `kernel` (demangled names)."""
+    return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
+
+
+IN_FINISH_PER_WARP, IN_FINISH_SHARED, SA_IN_FINISH = 47, 46, 2048
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 32])
+def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
+    """Split products (the default) run kernels built without their warps' output stage; unsplit
+    ones (split-finish setting 0, which needs a debug build) take the forms that have it: the
+    per-warp kernel's debug-variant-47 instantiation, the block-shared kernel's kSaInFinish
+    (CFG 2048) one. The per-warp kernel's two-group form (9..16 rows) keeps the stage, so it
+    serves both. Debug variants 47 and 46 (those forms run split: the baselines of the change)
+    give the shipped product; every form gives the reference's."""
+    ext = ops.extension()
+    t = rand_layer(4096, 14336, 4, "mul1", seed=900 + rows, bias=True)  # block-shared at 17..32 rows
+    x = torch.randn(rows, 4096, device=DEV).half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    run = lambda: ops.exl3_gemm(x, t, mode="fused", version=3)  # noqa: E731
+    shared = rows > 16
+
+    def forms(names):
+        per_warp = [a[4] for a in _template_args(names, "exl3_gemv_kernel")]
+        sa = [int(a[3]) for a in _template_args(names, "exl3_gemv_sa_kernel")]
+        assert len(per_warp) + len(sa) == 1, names
+        return per_warp, sa
+
+    names = kernels_run(run, "")
+    per_warp, sa = forms(names)
+    assert (len(sa) == 1) == shared
+    assert per_warp in ([], ["0"]) and all(not c & SA_IN_FINISH for c in sa), names
+    assert any("gv_finish_kernel" in n for n in names)
+    y = run()
+    assert rel_rms(y, want) < 2e-3
+    try:
+        ext.set_gemv_split_finish(0)
+        names = kernels_run(run, "")
+        per_warp, sa = forms(names)
+        unsplit_var = "0" if 9 <= rows <= 16 else str(IN_FINISH_PER_WARP)
+        assert per_warp in ([], [unsplit_var]) and all(c & SA_IN_FINISH for c in sa), names
+        assert not any("gv_finish_kernel" in n for n in names)
+        y_warps = run()
+    finally:
+        ext.set_gemv_split_finish(ops.GV_SPLIT_FINISH)
+    assert rel_rms(y_warps, want) < 2e-3
+    assert rel_rms(y_warps, y) < 1e-3
+    with ops.debug_variant(IN_FINISH_SHARED if shared else IN_FINISH_PER_WARP):
+        names = kernels_run(run, "")
+        y_fat = run()
+    per_warp, sa = forms(names)
+    assert per_warp in ([], [str(IN_FINISH_PER_WARP)]) and all(c & SA_IN_FINISH for c in sa), names
+    assert any("gv_finish_kernel" in n for n in names)
+    assert rel_rms(y_fat, y) < 1e-3
+    assert workspaces_zero()
