@@ -26,9 +26,11 @@ namespace trellis {
 // stage would take ring space from the slice. Benchmark knobs (debug variants 32-34): 1 one k
 // row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (variant 35): MUL1's affine
 // step per weight pair, as before session 27 (kSaAffine). CFG 16 (variant 37): two k rows per
-// unit at four groups too, as before session 28 (kSaTwoRows). Timing probes with wrong results:
-// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail), CFG
-// 32 (variant 38) the atomics without the count and output stage (kSaNoFinish). CFG 64 (variant
+// unit at four groups too, as before session 28 (kSaTwoRows). A timing probe with wrong results:
+// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail). CFG 32
+// (variant 38, kSaNoFinish): no in-kernel count or output stage, which split products never run;
+// since session 38 no kernel without kSaInFinish has them, so it is CFG 0's kernel (it measured the
+// dead code's cost, 80.5 against 87.4 us at 32 rows of 8192x28672 on an H100). CFG 64 (variant
 // 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
