@@ -349,7 +349,12 @@ SaGrid sa_grid(const MmArgs& a) {
 // groups) of layers of at least 4096 x 14336 weights (8192x28672: 103 against 125 us; 14336x4096:
 // 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
 // the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
-// 14336x4096, so the per-warp kernel stays); 2 always.
+// 14336x4096, so the per-warp kernel stays); 2 always; 3 as 1 and also 9..16 rows of layers of at
+// least 4096 x 28672 weights. Why 3: in session 38 (H100) the block-shared kernel forced at 12 and
+// 16 rows took 70.5 and 72.8-73.7 us on 8192x28672 against the per-warp kernel's 81, and 42.7 /
+// 45.3 on 4096x28672 against 44.7 / 46.2, but 10-40% more on 4096x14336, 14336x4096 and 4096x6144;
+// that was with its dead output stage, which it no longer has (16 rows of 8192x28672: 66 us).
+// Written after the session's device time was spent: not yet run.
 // Debug variants 30, 32-40 and 44-46 force it on (sa_forced), 31 and the other variants (probes
 // and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
@@ -362,7 +367,12 @@ bool sa_applies(const MmArgs& a, int variant) {
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
-    if (mode == 1 && (NG != 4 || (long)a.in * a.out < 4096L * 14336)) return false;
+    if (mode == 1 || mode == 3) {
+        const long weights = (long)a.in * a.out;
+        const bool many_rows = NG == 4 && weights >= 4096L * 14336;
+        const bool two_groups = mode == 3 && NG == 2 && weights >= 4096L * 28672;
+        if (!many_rows && !two_groups) return false;
+    }
     for (int s = 0; s < 3; ++s)
         if (a.seg_cols[s] < a.out && a.seg_cols[s] % 128) return false;
     return true;

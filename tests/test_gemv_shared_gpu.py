@@ -374,3 +374,27 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
     assert any("gv_finish_kernel" in n for n in names)
     assert rel_rms(y_fat, y) < 1e-3
     assert workspaces_zero()
+
+
+def test_shared_setting_3_adds_two_row_groups_of_the_largest_layers():
+    """Setting 3 (TRELLIS_GV_SHARED=3) is the default rule plus 9..16 rows of layers of at least
+    4096 x 28672 weights: there the block-shared kernel runs (its two-group form) and gives the
+    reference's product; smaller layers at those rows, and 1..8 rows anywhere, keep the per-warp
+    kernel; 17..32 rows are as by default."""
+    ext = ops.extension()
+    large = rand_layer(4096, 28672, 4, "mul1", seed=31, bias=True)
+    mid = rand_layer(4096, 14336, 4, "mul1", seed=32)
+    cases = ((large, 9, True), (large, 16, True), (large, 8, False), (large, 17, True), (mid, 16, False),
+             (mid, 32, True))
+    try:
+        ext.set_gemv_shared_acts(3)
+        for t, rows, shared in cases:
+            x = torch.randn(rows, 4096, device=DEV).half()
+            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+            assert any("gemv_sa" in n for n in names) == shared, (t.trellis.shape, rows, names)
+            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+            want = fmt.exl3_matmul_reference(x.float(), t)
+            assert rel_rms(y, want) < 2e-3, (t.trellis.shape, rows, rel_rms(y, want))
+    finally:
+        ext.set_gemv_shared_acts(1)
+    assert workspaces_zero()

@@ -226,7 +226,8 @@ def extension():
         _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
         # Which fp16-path products read their activations from one copy per block instead of one per
         # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
-        # of at least 4096 x 14336 weights, 2 all.
+        # of at least 4096 x 14336 weights, 2 all, 3 as 1 and 9..16 rows of layers of at least
+        # 4096 x 28672 weights (session 38; not yet run).
         _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
