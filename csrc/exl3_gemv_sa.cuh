@@ -27,11 +27,11 @@ namespace trellis {
 // row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (variant 35): MUL1's affine
 // step per weight pair, as before session 27 (kSaAffine). CFG 16 (variant 37): two k rows per
 // unit at four groups too, as before session 28 (kSaTwoRows). A timing probe with wrong results:
-// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail). CFG 32
-// (variant 38, kSaNoFinish): no in-kernel count or output stage, which split products never run;
-// since session 38 no kernel without kSaInFinish has them, so it is CFG 0's kernel (it measured the
-// dead code's cost, 80.5 against 87.4 us at 32 rows of 8192x28672 on an H100). CFG 64 (variant
-// 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
+// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail). Variant
+// 38 was CFG 32 (kSaNoFinish: no in-kernel count or output stage, which split products never run;
+// it measured that dead code's cost, 80.5 against 87.4 us at 32 rows of 8192x28672 on an H100).
+// Since session 38 no kernel without kSaInFinish has that stage, so variant 38 runs CFG 0. CFG 64
+// (variant 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
@@ -43,7 +43,7 @@ namespace trellis {
 // its code: at 32 rows of 8192x28672 the kernel without it measured 8% faster (80.5 against
 // 87.4 us on an H100, debug variant 38 against 30, csrc/PERF_NOTES.md session 38), though it never
 // ran there. Debug variant 46 keeps it in and runs split (the baseline of that change).
-constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaNoFinish = 32, kSaA12 = 64, kSaTcSum = 128,
+constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
@@ -265,7 +265,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 } else {
                     gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
                 }
-                if (kInFinish && y && finish_rows && !(CFG & kSaNoFinish)) finish_block(sv, bv);
+                if (kInFinish && y && finish_rows) finish_block(sv, bv);
             }
             if (!last) {
                 zero_acc();
@@ -431,7 +431,6 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 35) return launch_gemv_sa<K, CB, NG, kSaAffine>(a, stream);
             if (variant == 36) return launch_gemv_sa<K, CB, NG, kSaNoTail>(a, stream);
             if (variant == 37) return launch_gemv_sa<K, CB, NG, kSaTwoRows>(a, stream);
-            if (variant == 38) return launch_gemv_sa<K, CB, NG, kSaNoFinish>(a, stream);
             if (variant == 39) return launch_gemv_sa<K, CB, NG, kSaA12>(a, stream);
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);

@@ -54,6 +54,12 @@ def kernels_run(fn, name_part: str = "gemv") -> set[str]:
     return {n for n in kernel_names(fn) if name_part in n}
 
 
+def template_args(names, kernel: str) -> list[list[str]]:
+    """The template arguments of each instantiation of `kernel` among the (demangled) kernel names,
+    in declaration order, as strings."""
+    return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
+
+
 def workspaces_zero() -> bool:
     """Every pooled workspace of the fused product is zero again (each product, or the reader of
     its open sums, leaves the one it used so)."""

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import chain as chain_links  # noqa: E402
-from tests.gpu_layers import kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
+from tests.gpu_layers import kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
 from tests.test_chain_gpu import _restore_split, _set_split, _zero_state  # noqa: E402
 from tests.test_self_prep_gpu import prep_kernels  # noqa: E402
 
@@ -53,7 +53,7 @@ def _plan(K, int8, rows, n_in, n_out, limits=(0, 0, 0), sp=False, chain=False):
 
 def _gemv_cfgs(fn) -> set[str]:
     """The (CFG, SP, CH) template arguments of the per-warp product kernels fn() launches."""
-    return {n.split("exl3_gemv_kernel<")[1].split(">")[0].split(", ", 5)[5] for n in kernels_run(fn, "exl3_gemv_kernel<")}
+    return {", ".join(a[5:]) for a in template_args(kernels_run(fn, "exl3_gemv_kernel<"), "exl3_gemv_kernel")}
 
 
 @pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 9), ["3inst", "mcg", "mul1"])))

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
+from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
@@ -71,8 +71,8 @@ def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
 
 def _sa_cfg(names: set[str]) -> int:
     """The CFG template argument of the block-shared kernel in a set of kernel names (its last)."""
-    (name,) = [n for n in names if "gemv_sa" in n]
-    return int(name.split("<", 1)[1].split(">", 1)[0].split(",")[-1])
+    (args,) = template_args(names, "exl3_gemv_sa_kernel")
+    return int(args[-1])
 
 
 def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096x18432():
@@ -318,11 +318,6 @@ def test_split_finish_of_the_integer_path(rows):
     _finish_kernel_against_warps(rows, 4, 3, int8=True)
 
 
-def _template_args(names: set[str], kernel: str) -> list[list[str]]:
-    """The template arguments of each launched instantiation of `kernel` (demangled names)."""
-    return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
-
-
 IN_FINISH_PER_WARP, IN_FINISH_SHARED, SA_IN_FINISH = 47, 46, 2048
 
 
@@ -342,8 +337,8 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
     shared = rows > 16
 
     def forms(names):
-        per_warp = [a[4] for a in _template_args(names, "exl3_gemv_kernel")]
-        sa = [int(a[3]) for a in _template_args(names, "exl3_gemv_sa_kernel")]
+        per_warp = [a[4] for a in template_args(names, "exl3_gemv_kernel")]
+        sa = [int(a[3]) for a in template_args(names, "exl3_gemv_sa_kernel")]
         assert len(per_warp) + len(sa) == 1, names
         return per_warp, sa
 
