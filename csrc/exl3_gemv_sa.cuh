@@ -1,6 +1,7 @@
 // EXL3 product for batches of up to 32 rows (fp16 path, any codebook) with the activations
-// shared by a block instead of copied into every warp's ring. By default it serves 17..32 rows of
-// large layers (sa_applies); the version-3 kernel (exl3_gemv.cuh) serves the rest.
+// shared by a block instead of copied into every warp's ring. By default it serves the row counts
+// and layer sizes where it measured faster (sa_applies); the version-3 kernel (exl3_gemv.cuh)
+// serves the rest.
 //
 // Why: the version-3 kernel streams each unit's k row of activations into the warp's own ring
 // next to its trellis. At 32 rows that k row is 1 KB of fp16 fragments for 2 tiles (256 bytes at
@@ -345,16 +346,22 @@ SaGrid sa_grid(const MmArgs& a) {
 }
 
 // Whether the block-shared kernel serves this fp16-path product. gemv_shared_acts setting: 0
-// never; 1 (default) where it measured faster on the H200 (session 8): 17..32 rows (four fragment
-// groups) of layers of at least 4096 x 14336 weights (8192x28672: 103 against 125 us; 14336x4096:
-// 40 against 43; 4096x14336: a tie; 4096x4096: 33 against 24, too few units per block to pay for
-// the slice copy; 9..16 rows: 4% faster on 8192x28672, 30-40% slower on 4096x14336 and
-// 14336x4096, so the per-warp kernel stays); 2 always; 3 as 1 and also 9..16 rows of layers of at
-// least 4096 x 28672 weights. Why 3: in session 38 (H100) the block-shared kernel forced at 12 and
-// 16 rows took 70.5 and 72.8-73.7 us on 8192x28672 against the per-warp kernel's 81, and 42.7 /
-// 45.3 on 4096x28672 against 44.7 / 46.2, but 10-40% more on 4096x14336, 14336x4096 and 4096x6144;
-// that was with its dead output stage, which it no longer has (16 rows of 8192x28672: 66 us).
-// Written after the session's device time was spent: not yet run.
+// never; 2 always; 1 17..32 rows (four fragment groups) of layers of at least 4096 x 14336 weights,
+// the rule from session 8 to 38 (8192x28672: 103 against 125 us then, on the H200); 3 (default
+// since session 39) that and 9..16 rows (two groups) of layers of at least 4096 x 28672 weights.
+// Measured on an H100 in session 39 with neither kernel carrying a dead output stage
+// (bench/ab_session38.sh, ab_session39.sh, ab_session39b.sh; K = 4 MUL1; us block-shared against
+// per-warp):
+// - 9..16 rows: 8192x28672 63.5 / 65.6 against 80.0 / 80.7 at 12 / 16 rows, 28672x8192 66.3 / 68.3
+//   against 80.3 / 81.5, 4096x28672 38.2 / 40.0 against 44.4 / 45.5; decode (Llama-3.1-8B shapes,
+//   where the gate and up projections' 4096x28672 is the layer it reaches) at batch 12 3,212-3,276
+//   tok/s against 3,041-3,078 (+6%), at batch 16 3,876-4,017 against 3,788-3,837 (+3%).
+//   8192x10240 (31.3 / 32.8 against 35.0 / 36.0) and 8192x8192 (27.5 / 29.5 against 29.1 / 30.2)
+//   gained too, but only a 70B-shaped decode would show whether that carries over, and none ran;
+//   14336x4096 and 4096x6144 lost 6-38%; 4096x4096 gained 6-12%.
+// - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
+//   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
+//   left off. Larger layers lost 5-45% alone.
 // Debug variants 30, 32-40 and 44-46 force it on (sa_forced), 31 and the other variants (probes
 // and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
@@ -367,11 +374,11 @@ bool sa_applies(const MmArgs& a, int variant) {
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
     const int mode = variant ? 2 : gemv_shared_acts();
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
-    if (mode == 1 || mode == 3) {
+    if (mode != 2) {
         const long weights = (long)a.in * a.out;
-        const bool many_rows = NG == 4 && weights >= 4096L * 14336;
+        const bool four_groups = NG == 4 && weights >= 4096L * 14336;
         const bool two_groups = mode == 3 && NG == 2 && weights >= 4096L * 28672;
-        if (!many_rows && !two_groups) return false;
+        if (!four_groups && !two_groups) return false;
     }
     for (int s = 0; s < 3; ++s)
         if (a.seg_cols[s] < a.out && a.seg_cols[s] % 128) return false;

@@ -192,10 +192,10 @@ inline bool& self_prep_flag() {
 }
 
 // Which fp16-path products (version 3) take the block-shared activation kernel
-// (exl3_gemv_sa.cuh): 0 none, 1 those it measured faster for (sa_applies), 2 all, 3 as 1 and also
-// 9..16 rows of layers of at least 4096 x 28672 weights (written in session 38, not yet run).
+// (exl3_gemv_sa.cuh): 0 none, 2 all, 3 (default) those it measured faster for, 1 the rule before
+// session 39 (sa_applies says which).
 inline int& gemv_shared_acts() {
-    static int v = 1;
+    static int v = 3;
     return v;
 }
 

@@ -57,16 +57,24 @@ def test_shared_kernel_matches_reference_for_every_row_group(K, cb):
     assert workspaces_zero()
 
 
-def test_default_dispatch_takes_shared_kernel_for_many_rows_of_large_layers():
-    """Where it measured faster (17..32 rows of layers of at least 4096 x 14336 weights) the
-    default dispatch launches the block-shared kernel, elsewhere the per-warp one."""
+def test_default_dispatch_takes_shared_kernel_where_it_measured_faster():
+    """The default rule (setting 3, session 39) launches the block-shared kernel for 17..32 rows of
+    layers of at least 4096 x 14336 weights and 9..16 rows of layers of at least 4096 x 28672;
+    elsewhere the per-warp one. Both give the reference's product."""
+    assert ops.GV_SHARED == 3
+    large = rand_layer(4096, 28672, 4, "mul1", seed=31, bias=True)
     big = rand_layer(4096, 14336, 4, "mul1", seed=7)
     small = rand_layer(4096, 4096, 4, "mul1", seed=8)
-    for t, rows, shared in ((big, 32, True), (big, 17, True), (big, 16, False), (big, 8, False), (small, 32, False)):
+    cases = ((large, 9, True), (large, 16, True), (large, 8, False), (large, 17, True), (big, 32, True),
+             (big, 17, True), (big, 16, False), (big, 8, False), (small, 32, False), (small, 8, False))
+    for t, rows, shared in cases:
         x = torch.randn(rows, t.trellis.shape[0] * 16, device=DEV).half()
         names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
         assert any("gemv_sa" in n for n in names) == shared, (rows, t.trellis.shape, names)
         assert any("gemv_sa" not in n for n in names) != shared, (rows, names)
+        y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, (rows, t.trellis.shape)
+    assert workspaces_zero()
 
 
 def _sa_cfg(names: set[str]) -> int:
@@ -371,25 +379,20 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
     assert workspaces_zero()
 
 
-def test_shared_setting_3_adds_two_row_groups_of_the_largest_layers():
-    """Setting 3 (TRELLIS_GV_SHARED=3) is the default rule plus 9..16 rows of layers of at least
-    4096 x 28672 weights: there the block-shared kernel runs (its two-group form) and gives the
-    reference's product; smaller layers at those rows, and 1..8 rows anywhere, keep the per-warp
-    kernel; 17..32 rows are as by default."""
+def test_shared_setting_1_leaves_two_row_groups_to_the_per_warp_kernel():
+    """Setting 1 (TRELLIS_GV_SHARED=1, the rule before session 39 and its benchmark baseline) keeps
+    9..16 rows of the largest layers on the per-warp kernel, 17..32 rows on the block-shared one;
+    the products match the reference either way."""
     ext = ops.extension()
-    large = rand_layer(4096, 28672, 4, "mul1", seed=31, bias=True)
-    mid = rand_layer(4096, 14336, 4, "mul1", seed=32)
-    cases = ((large, 9, True), (large, 16, True), (large, 8, False), (large, 17, True), (mid, 16, False),
-             (mid, 32, True))
+    large = rand_layer(4096, 28672, 4, "mul1", seed=33, bias=True)
     try:
-        ext.set_gemv_shared_acts(3)
-        for t, rows, shared in cases:
-            x = torch.randn(rows, 4096, device=DEV).half()
-            names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
-            assert any("gemv_sa" in n for n in names) == shared, (t.trellis.shape, rows, names)
-            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-            want = fmt.exl3_matmul_reference(x.float(), t)
-            assert rel_rms(y, want) < 2e-3, (t.trellis.shape, rows, rel_rms(y, want))
-    finally:
         ext.set_gemv_shared_acts(1)
+        for rows, shared in ((9, False), (16, False), (17, True)):
+            x = torch.randn(rows, 4096, device=DEV).half()
+            names = kernels_run(lambda: ops.exl3_gemm(x, large, mode="fused", int8=False, version=3))
+            assert any("gemv_sa" in n for n in names) == shared, (rows, names)
+            y = ops.exl3_gemm(x, large, mode="fused", int8=False, version=3)
+            assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), large)) < 2e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()

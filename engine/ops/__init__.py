@@ -138,6 +138,12 @@ CAPPED_SOFTMAX = os.environ.get("TRELLIS_CAPPED_SOFTMAX", "1") != "0"
 # Decode products prep their own input (csrc/exl3_gemv.cuh, self prep): TRELLIS_SELF_PREP=1.
 SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 
+# Which fp16-path products read their activations from one copy per block instead of one per warp
+# (csrc/exl3_gemv_sa.cuh, sa_applies): TRELLIS_GV_SHARED 0 none, 2 all, 3 (default) where that
+# measured faster (by rows and layer size, session 39), 1 the rule before (a benchmark baseline).
+# Tests that change it restore this.
+GV_SHARED = int(os.environ.get("TRELLIS_GV_SHARED", "3") or 3)
+
 # Decode attention merges its splits' partials in one pass (TRELLIS_ATTN_MERGE=2: the max first,
 # then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
 ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
@@ -224,11 +230,7 @@ def extension():
         _ext.set_attn_mma_slots(ATTN_MMA_SLOTS)
         _ext.set_attn_mma_d256(ATTN_MMA_D256)
         _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
-        # Which fp16-path products read their activations from one copy per block instead of one per
-        # warp (csrc/exl3_gemv_sa.cuh): TRELLIS_GV_SHARED 0 none, 1 (default) 17..32 rows of layers
-        # of at least 4096 x 14336 weights, 2 all, 3 as 1 and 9..16 rows of layers of at least
-        # 4096 x 28672 weights (session 38; not yet run).
-        _ext.set_gemv_shared_acts(int(os.environ.get("TRELLIS_GV_SHARED", "1") or 1))
+        _ext.set_gemv_shared_acts(GV_SHARED)
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
