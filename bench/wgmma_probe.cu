@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "exl3_gemv.cuh"  // gv_decode_f16, lane_words, gv_cp16, cp_async_*, mma_16816
+#include "wgmma.cuh"      // wg_smem_desc, wg_fence / commit / wait, wgmma_rs
 
 namespace {
 
@@ -51,55 +52,6 @@ constexpr int kThreads = 256;
             exit(1);                                                                              \
         }                                                                                         \
     } while (0)
-
-// Shared-memory matrix descriptor, no swizzle: start address, then the byte distances between
-// core matrices adjacent along K (lbo) and along N (sbo), each >> 4.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// D (64 x M fp32, this thread's M / 2) += A (64 x 16 fp16 from the 4 warps' registers, m16n8k16
-// A fragment order) x B (16 x M from shared memory); scale_d 0 overwrites D.
-template <int M>
-__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t desc, int scale_d);
-
-template <>
-__device__ __forceinline__ void wgmma_rs<32>(float* d, const uint32_t a[4], uint64_t desc, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %21, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<16>(float* d, const uint32_t a[4], uint64_t desc, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %13, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<8>(float* d, const uint32_t a[4], uint64_t desc, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %8, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %9, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-}
 
 // Integer form: D (64 x N s32) += A (64 x 32 u8: the products' bytes, m16n8k32 A fragment order)
 // x B (32 x N s8 from shared memory).
@@ -279,7 +231,7 @@ probe_kernel(const uint32_t* __restrict__ trellis, const half* __restrict__ xs, 
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
         const uint32_t unit_b = acts_sa + (uint32_t)(c_row - r0) * RB;
-        const uint64_t unit_desc = SWAP ? smem_desc(unit_b, 256, 128) : smem_desc(unit_b, 128, 256);
+        const uint64_t unit_desc = SWAP ? wg_smem_desc(unit_b, 256, 128) : wg_smem_desc(unit_b, 128, 256);
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
             uint32_t(&ab)[CT][4] = a[kr & 1];
@@ -410,7 +362,7 @@ probe_i8_kernel(const uint32_t* __restrict__ trellis, const uint8_t* __restrict_
         st.issue(s + NS - 1);
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
-        const uint64_t unit_desc = smem_desc(acts_sa + (uint32_t)(c_row - r0) * RB, 128, 256);
+        const uint64_t unit_desc = wg_smem_desc(acts_sa + (uint32_t)(c_row - r0) * RB, 128, 256);
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
             uint32_t(&ab)[CT][8] = a[kr & 1];

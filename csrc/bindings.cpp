@@ -838,7 +838,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "decode attention merges its splits in one pass with a running max (default) or max first, then sums");
     m.def("set_self_prep", &trellis::set_self_prep, "decode products (m = 1, integer path) prep their own input (default off)");
     m.def("set_gemv_shared_acts", &trellis::set_gemv_shared_acts,
-          "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers (default), 2 all, 3 as 1 and 9..16 rows of the largest layers (at least 4096 x 28672 weights)");
+          "fp16-path products with block-shared activations: 0 none, 1 17..32 rows of large layers, 2 all, 3 as 1 and 9..16 rows of the largest layers (at least 4096 x 28672 weights; default)");
     m.def("set_gemv_split_finish", &trellis::set_gemv_split_finish,
           "products whose output transform runs as a kernel of its own after them: 0 none, 1 the block-shared kernel's, 2 also the per-warp kernel's at 9..32 rows, 3 also its fp16-path products of 1..8 rows, 4 also the integer path's, 5 also decode chains' products (the kernel writes the chain output; default)");
     m.def("split_finish_setting", &trellis::gemv_split_finish_setting, "the split-finish setting in force (set_gemv_split_finish)");
@@ -848,6 +848,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("set_gemv_sa_tiles", &trellis::set_gemv_sa_tiles,
           "the block-shared product: 1 two tiles per unit at 25..32 rows of layers under 4096 x 18432 weights, K <= 4 (default); 0 four tiles everywhere; 2 two tiles everywhere (benchmarks)");
+    m.def("set_gemv_wgmma", &trellis::set_gemv_wgmma,
+          "block-shared products of 17..32 rows at K <= 4 on Hopper's warpgroup MMA where the device has it: 1 (default) yes, 0 no");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,
           "whether this build has this debug variant of the products (all with TRELLIS_DEBUG_VARIANTS=1)");
     m.def("set_gemv_compact", &trellis::set_gemv_compact,

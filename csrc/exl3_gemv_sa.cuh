@@ -18,6 +18,7 @@
 // (column group, k row pair) list, column group major, cut into 8 equal warp ranges.
 #pragma once
 #include "exl3_gemv.cuh"
+#include "wgmma.cuh"
 
 namespace trellis {
 
@@ -44,8 +45,19 @@ namespace trellis {
 // its code: at 32 rows of 8192x28672 the kernel without it measured 8% faster (80.5 against
 // 87.4 us on an H100, debug variant 38 against 30, csrc/PERF_NOTES.md session 38), though it never
 // ran there. Debug variant 46 keeps it in and runs split (the baseline of that change).
+// CFG 4096 (kSaWgmma, session 39; with CFG 0 or kSaTwoTiles, four row groups, K <= 4, on a device
+// of compute capability 9.0; sa_wgmma says where): each k row's tiles go to Hopper's warpgroup MMA
+// instead of 4 synchronous MMAs a tile. A warpgroup's 4 warps then take units together: adjacent
+// column groups (warp wi of the 4 the group 4 G + wi), the same k rows, so that one m64n32k16
+// wgmma covers their 4 tiles (the warps' decoded A fragments in registers) x 32 rows (B read by
+// the instruction from the block's slice, which is rearranged once into wgmma's core-matrix
+// layout). The wgmma runs while the warps decode the next k row (two A register sets). Measured
+// on an H100 (session 39, bench/ab_session39c.sh; against the same kernel with synchronous MMAs,
+// TRELLIS_GV_WGMMA=0, in the same call): 8192x28672 at 17 / 24 / 32 rows 69.2-69.6 / 70.2-70.6 /
+// 73.3-75.6 us against 77.1-77.5 / 76.9-77.0 / 79.5-79.9; 4096x28672 at 32 rows 45.6-45.9 against
+// 47.9-48.1; the two-tile form (4096x14336, 14336x4096 at 32 rows) 0.3-1% faster.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
-              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048;
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -88,12 +100,20 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
     constexpr bool kInFinish = (CFG & kSaInFinish) != 0;  // finish_rows > 0 possible (unsplit)
     constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
+    constexpr bool WG = (CFG & kSaWgmma) != 0;
+    static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
+    // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
+    // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
+    constexpr int GW = WG ? 4 : 1, kTeams = kGvWarps / GW;
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 
     const int lane = threadIdx.x & 31;
     const Mul1SumSelect tc_select(lane);
-    const int warp = threadIdx.x >> 5;
+    // With wgmma the warp index comes from lane 0, so that ptxas knows it and all derived from it to
+    // be warp-uniform and keeps the descriptors in uniform registers (bench/wgmma_probe.cu).
+    const int warp = WG ? __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) : (int)threadIdx.x >> 5;
+    const int wi = warp % GW, team = warp / GW;
     const int tk = in >> 4;
     const int tn = out >> 4;
 
@@ -108,9 +128,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     const int nr = KR * (int)((long)tku * (slice + 1) / grid.nsl) - r0;
     const int nru = nr / KR;
     const int g_first = grid.seg_grp[seg];
-    const long units = (long)(grid.seg_grp[seg + 1] - g_first) * nru;
+    const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
     const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
-    const long u0 = b0 + (b1 - b0) * warp / kGvWarps, u1 = b0 + (b1 - b0) * (warp + 1) / kGvWarps;
+    const long u0 = b0 + (b1 - b0) * team / kTeams, u1 = b0 + (b1 - b0) * (team + 1) / kTeams;
     const int n_units = (int)(u1 - u0);
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
@@ -122,7 +142,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
     constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
     const size_t row_step = (size_t)tn * TW;
-    int p_grp = g_first + (int)(u0 / nru);
+    int p_grp = g_first + GW * (int)(u0 / nru) + wi;
     int p_row = r0 + KR * (int)(u0 % nru);
     int p_slot = 0;
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
@@ -140,7 +160,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             p_src += KR * row_step;
             if ((p_row += KR) == r0 + nr) {
                 p_row = r0;
-                ++p_grp;
+                p_grp += GW;
                 p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
             }
         }
@@ -179,6 +199,22 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         if ((w & 7) == 0 && row < m) atomicAdd(row_sums + row, t);
         __syncthreads();
     }
+    if constexpr (WG) {
+        // The slice into wgmma's K-major B layout, in place, a group of 8 rows of a k row (64
+        // words) at a time: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 + 8 (w % 2)
+        // of row (w % 64) / 8, so lane l's words 2 l and 2 l + 1 go to l and 32 + l: the core
+        // matrices of k 0..7 and 8..15, each 8 rows of 16 bytes (descriptor: 128 bytes between
+        // the two along k, 256 between groups of rows).
+        for (int i = warp; i < nr * NG; i += kGvWarps) {
+            const uint2 w2 = *reinterpret_cast<const uint2*>(sa_smem + acts + i * 64 + lane * 2);
+            __syncwarp();
+            sa_smem[acts + i * 64 + lane] = w2.x;
+            sa_smem[acts + i * 64 + 32 + lane] = w2.y;
+            __syncwarp();
+        }
+        wg_fence_smem_writes();
+        __syncthreads();
+    }
     if (n_units <= 0) return;
 
     int wa, wb, wc, shift;
@@ -188,12 +224,18 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
     const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // MMAs for these groups only
 
-    int c_grp = g_first + (int)(u0 / nru);
+    int c_grp = g_first + GW * (int)(u0 / nru) + wi;
     int c_row = r0 + KR * (int)(u0 % nru);
     bool grp_row0 = c_row == r0;  // this warp does the slice's first k row of column group c_grp
     int c_slot = 0;
     int seg_units = 0;  // k rows of the current column group done by this warp
     float acc[NG][CT][4];
+    uint32_t a_wg[2][CT][4];  // wgmma: the decoded tiles of even and odd k rows (one set in flight)
+    // wgmma: 0 while the sums hold a flushed column group's, so that the next k row's wgmmas
+    // overwrite them. Zeroing them instead is an ordinary write, which ptxas orders after every
+    // wgmma in flight (a wait it injects, even where the write is predicated off).
+    int wg_scale = 1;
+    const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
     auto zero_acc = [&]() {
 #pragma unroll
         for (int gr = 0; gr < NG; ++gr)
@@ -220,6 +262,30 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         issue(s + NS - 1);
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+        if constexpr (WG) {
+#pragma unroll
+            for (int kr = 0; kr < KR; ++kr) {
+                uint32_t(&av)[CT][4] = a_wg[kr & 1];
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct) {
+                    uint32_t v[4];
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb,
+                                                                           wc, shift, v, tc_select);
+                    av[ct][0] = v[0];  // m16n8k16's A order (mma_16816's arguments)
+                    av[ct][1] = v[2];
+                    av[ct][2] = v[1];
+                    av[ct][3] = v[3];
+                }
+                const uint64_t desc = wg_smem_desc(acts_sa + (uint32_t)((c_row + kr - r0) * BROW * 4), 128, 256);
+                wg_fence();
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct)
+                    wgmma_rs_n32(acc[0][ct], acc[1][ct], acc[2][ct], acc[3][ct], av[ct], desc, kr == 0 ? wg_scale : 1);
+                wg_commit();
+                wg_wait<1>();  // the previous k row's: its A registers are this loop's next
+            }
+            wg_scale = 1;
+        } else {
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
             const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
@@ -237,9 +303,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                     if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
             }
         }
+        }
         seg_units += KR;
         const bool last = s + 1 == n_units;
         if ((c_row += KR) == r0 + nr || last) {
+            if constexpr (WG) wg_wait<0>();  // the sums are final
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
             if constexpr (CFG & kSaNoTail) {  // probe: keep the sums alive without the tail
@@ -269,15 +337,16 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 if (kInFinish && y && finish_rows) finish_block(sv, bv);
             }
             if (!last) {
-                zero_acc();
+                if constexpr (WG) wg_scale = 0; else zero_acc();
                 grp_row0 = true;
                 c_row = r0;
-                ++c_grp;
+                c_grp += GW;
                 seg_units = 0;
             }
         }
     }
     if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
+    if constexpr (WG) wg_wait<0>();  // (the last unit's flush waited already; ptxas cannot tell)
     cp_async_wait<0>();
 }
 
@@ -397,8 +466,8 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.
     constexpr bool kInFinish = (CFG & kSaInFinish) != 0;
-    if constexpr (!kInFinish && kDebugVariants) {
-        if (a.y && gemv_split_finish() < 1) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
+    if constexpr (!kInFinish && kDebugVariants) {  // (the wgmma form has no in-finish twin: the plain one serves)
+        if (a.y && gemv_split_finish() < 1) return launch_gemv_sa<K, CB, NG, (CFG & ~kSaWgmma) | kSaInFinish>(a, stream);
     }
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
@@ -422,14 +491,32 @@ bool sa_two_tiles(const MmArgs& a) {
     return mode == 2 || (mode == 1 && K <= 4 && a.m > 24 && (long)a.in * a.out < 4096L * 18432);
 }
 
+// Whether a block-shared product of four row groups takes the wgmma form (kSaWgmma): setting
+// gemv_wgmma on (the default), K <= 4, a device of compute capability 9.0 (the build's sm_90a
+// code), and every segment a whole number of the warpgroups' units (4 column groups of ct tiles).
+template <int K>
+bool sa_wgmma(const MmArgs& a, int ct) {
+    if (!gemv_wgmma() || K > 4 || !wgmma_available()) return false;
+    const int span = 4 * ct * 16;
+    if (a.out % span) return false;
+    for (int s = 0; s < 3; ++s)
+        if (a.seg_cols[s] < a.out && a.seg_cols[s] % span) return false;
+    return true;
+}
+
 // The fp16 path of the version-3 product for one K, codebook and group count.
 template <int K, int CB, int NG>
 cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     if (sa_applies<K, NG>(a, variant)) {
         if constexpr (NG == 4) {
-            if (variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a)))
-                return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
+            const bool two = variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a));
+            if constexpr (K <= 4) {
+                if (variant == 0 && sa_wgmma<K>(a, two ? 2 : 4))
+                    return two ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma>(a, stream)
+                               : launch_gemv_sa<K, CB, NG, kSaWgmma>(a, stream);
+            }
+            if (two) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);

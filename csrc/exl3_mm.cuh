@@ -199,6 +199,13 @@ inline int& gemv_shared_acts() {
     return v;
 }
 
+// Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA where the
+// device has it (exl3_gemv_sa.cuh, kSaWgmma, sa_wgmma): 1 (default) yes, 0 no (the baseline).
+inline int& gemv_wgmma() {
+    static int v = 1;
+    return v;
+}
+
 // The block-shared kernel's units: 1 (default) two tiles per unit at 25..32 rows of layers of
 // fewer than 4096 x 18432 weights at K <= 4 (sa_two_tiles), 0 four tiles everywhere (the rule
 // before session 37, a benchmark baseline), 2 two tiles at every K, shape and 17..32 rows (a

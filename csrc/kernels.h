@@ -238,6 +238,9 @@ void set_finish_early_reads(bool enabled);
 // session 28 (about 8 column groups per block), a benchmark baseline.
 void set_gemv_sa_grid(int rule);
 void set_gemv_sa_tiles(int rule);
+// Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA on a device
+// of compute capability 9.0: 1 (default) yes, 0 no (a benchmark baseline).
+void set_gemv_wgmma(int mode);
 // Rows of its workspace the warp that finishes a 128-column block reads per round trip: 8
 // (default), or 1 (row by row, the earlier order; a benchmark baseline).
 void set_gemv_finish_rows(int rows);

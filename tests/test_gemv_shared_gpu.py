@@ -99,7 +99,8 @@ def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096
                 ext.set_gemv_sa_tiles(setting)
                 names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
                 want_cfg = 512 if setting == 2 or (two and setting == 1) else 0
-                assert _sa_cfg(names) == want_cfg, (n_in, n_out, rows, setting, names)
+                # (the wgmma bit, 4096, rides along on Hopper: tests/test_gemv_wgmma_gpu.py)
+                assert _sa_cfg(names) & ~4096 == want_cfg, (n_in, n_out, rows, setting, names)
                 y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows, setting, rel_rms(y, want))
         finally:

@@ -228,7 +228,8 @@ def test_build_inputs_for_setup_py():
     names = {s.rsplit("/", 1)[-1] for s in srcs}
     assert "bindings.cpp" in names and {f"exl3_mm_k{k}.cu" for k in range(1, 9)} <= names
     flags = build.nvcc_flags()
-    assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90,code=sm_90" in flags
+    assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_flags(["90"])  # wgmma (csrc/wgmma.cuh)
 
 
 def test_route_quant_linears_keeps_logits(tmp_path):

@@ -143,6 +143,10 @@ SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 # measured faster (by rows and layer size, session 39), 1 the rule before (a benchmark baseline).
 # Tests that change it restore this.
 GV_SHARED = int(os.environ.get("TRELLIS_GV_SHARED", "3") or 3)
+# Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA where the
+# device has it (compute capability 9.0; csrc/exl3_gemv_sa.cuh, kSaWgmma): TRELLIS_GV_WGMMA=0 keeps
+# the synchronous MMAs (the baseline). Tests that change it restore this.
+GV_WGMMA = int(os.environ.get("TRELLIS_GV_WGMMA", "1") or 0)
 
 # Decode attention merges its splits' partials in one pass (TRELLIS_ATTN_MERGE=2: the max first,
 # then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
@@ -231,6 +235,7 @@ def extension():
         _ext.set_attn_mma_d256(ATTN_MMA_D256)
         _ext.set_attn_one_load_splits(ATTN_ONE_LOAD_SPLITS)
         _ext.set_gemv_shared_acts(GV_SHARED)
+        _ext.set_gemv_wgmma(GV_WGMMA)
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared

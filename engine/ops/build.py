@@ -36,14 +36,21 @@ def debug_variants() -> bool:
 
 
 def nvcc_flags(archs: list[str] | None = None) -> list[str]:
-    """nvcc flags; archs like ["80", "90"] (default: sm_80 + sm_90 machine code + sm_90 PTX)."""
-    archs = archs or ["80", "90"]
+    """nvcc flags; archs like ["80", "90"] (default: sm_80 + sm_90a machine code + sm_90 PTX).
+    Compute capability 9.0 builds as sm_90a, the Hopper-only target that has the warpgroup MMA
+    (csrc/wgmma.cuh) the many-row products use there; its machine code runs on 9.0 devices alone.
+    The PTX stays plain compute_90 so that newer GPUs can still compile it (without wgmma)."""
+    archs = [("90a" if a == "90" else a) for a in (archs or ["80", "90"])]
     flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
     if debug_variants():
         flags.append("-DTRELLIS_DEBUG_VARIANTS")
     for a in archs:
         flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
-    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    # PTX for the newest target, plain compute_90 for sm_90a; a build for this one Hopper GPU
+    # (first use) skips it, since a second virtual target would double the device compile.
+    if len(archs) > 1 or not archs[-1].endswith("a"):
+        ptx = archs[-1].removesuffix("a")
+        flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     return flags
 
 

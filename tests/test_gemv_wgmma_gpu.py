@@ -1,0 +1,107 @@
+"""The block-shared product's warpgroup-MMA form (csrc/exl3_gemv_sa.cuh, kSaWgmma; sm_90a code,
+csrc/wgmma.cuh) against the torch reference and against its synchronous-MMA form (pytest -m gpu).
+On a device of compute capability 9.0 it serves 17..32 rows at K <= 4 by default; elsewhere the
+setting changes nothing, which the tests check too."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from engine import ops  # noqa: E402
+from engine.formats import exl3 as fmt  # noqa: E402
+from tests.gpu_layers import DEV, kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
+
+SA_WGMMA, SA_TWO_TILES = 4096, 512
+HOPPER = torch.cuda.get_device_capability() == (9, 0)
+
+
+def _sa_cfgs(fn) -> list[int]:
+    return [int(a[-1]) for a in template_args(kernels_run(fn), "exl3_gemv_sa_kernel")]
+
+
+def _both_forms(run):
+    """run() with the setting on (the default) and off: (result on, CFGs on, result off, CFGs off)."""
+    ext = ops.extension()
+    assert ops.GV_WGMMA == 1
+    y_on, cfg_on = run(), _sa_cfgs(run)
+    try:
+        ext.set_gemv_wgmma(0)
+        y_off, cfg_off = run(), _sa_cfgs(run)
+    finally:
+        ext.set_gemv_wgmma(ops.GV_WGMMA)
+    return y_on, cfg_on, y_off, cfg_off
+
+
+@pytest.mark.parametrize("K,cb", list(itertools.product(range(1, 5), ["3inst", "mcg", "mul1"])))
+def test_wgmma_form_matches_reference(K, cb):
+    """Every K <= 4 and codebook, four row groups with two tiles a unit (25..32 rows) and four
+    (17..24), a bias, and a shape with several k slices: on Hopper the wgmma form runs and gives
+    the reference's product, and the synchronous form's up to fp32 summation order; off it (or on
+    another GPU) the synchronous form runs."""
+    ext = ops.extension()
+    t = rand_layer(2048, 1536, K, cb, seed=40 + K, bias=True)
+    w = fmt.reconstruct(t.trellis, cb)
+    try:
+        ext.set_gemv_shared_acts(2)  # the block-shared kernel for every shape (the rule's sizes are big)
+        for rows in (17, 24, 25, 32):
+            x = torch.randn(rows, 2048, device=DEV).half()
+            x[:, 7] = 20.0
+            y_on, cfg_on, y_off, cfg_off = _both_forms(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+            assert len(cfg_on) == 1 and bool(cfg_on[0] & SA_WGMMA) == HOPPER, (rows, cfg_on)
+            assert cfg_on[0] & SA_TWO_TILES == (SA_TWO_TILES if rows > 24 else 0), (rows, cfg_on)
+            assert cfg_off == [cfg_on[0] & ~SA_WGMMA], (rows, cfg_on, cfg_off)
+            want = fmt.exl3_matmul_reference(x.float(), t, w)
+            assert rel_rms(y_on, want) < 2e-3, (rows, rel_rms(y_on, want))
+            assert rel_rms(y_on, y_off) < 1e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
+    assert workspaces_zero()
+
+
+def test_wgmma_form_by_default_on_a_large_layer_and_not_past_k4():
+    """Under the default rules: 32 and 20 rows of a 4096x14336 layer take the wgmma form on Hopper
+    at K = 4; K = 5 keeps the synchronous MMAs; 16 rows (two groups) never take it."""
+    for K, rows, wg in ((4, 32, HOPPER), (4, 20, HOPPER), (5, 32, False), (4, 16, False)):
+        t = rand_layer(4096, 14336, K, "mul1", seed=60 + K + rows)
+        x = torch.randn(rows, 4096, device=DEV).half()
+        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+        cfgs = _sa_cfgs(run)
+        assert any(c & SA_WGMMA for c in cfgs) == wg, (K, rows, cfgs)
+        y = run()
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, (K, rows)
+    assert workspaces_zero()
+
+
+def test_wgmma_form_needs_whole_warpgroup_units():
+    """A layer whose columns are not a whole number of a warpgroup's units (1408 = 5.5 units of
+    4 x 4 tiles at 17..24 rows) keeps the synchronous form there; at 25..32 rows (units of 4 x 2
+    tiles, 11 of them) it takes the wgmma form on Hopper. Grouped members (q/k/v-like, starts at
+    512 and 768 columns) take it where each starts on a unit: every member matches its reference."""
+    ext = ops.extension()
+    t = rand_layer(1024, 1408, 4, "mul1", seed=71)
+    members = [rand_layer(1024, n, 4, "3inst", seed=72 + i, bias=(i == 1)) for i, n in enumerate((512, 256, 768))]
+    g = ops.join_linears(members)
+    try:
+        ext.set_gemv_shared_acts(2)
+        for rows, wg in ((20, False), (32, HOPPER)):
+            x = torch.randn(rows, 1024, device=DEV).half()
+            run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+            assert [bool(c & SA_WGMMA) for c in _sa_cfgs(run)] == [wg], rows
+            assert rel_rms(run(), fmt.exl3_matmul_reference(x.float(), t)) < 2e-3, rows
+        for rows in (17, 32):
+            x = torch.randn(rows, 1024, device=DEV).half()
+            cfgs = _sa_cfgs(lambda: ops.exl3_gemm_group(x, g, int8=False))
+            assert cfgs and all(bool(c & SA_WGMMA) == HOPPER for c in cfgs), (rows, cfgs)
+            got = ops.exl3_gemm_group(x, g, int8=False)
+            for m, y in zip(members, got):
+                assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
+    assert workspaces_zero()
