@@ -15,7 +15,8 @@
 //
 // Grid: for each segment of a grouped product (a block's activations are one segment's), for
 // each k slice, `seg_blocks[s]` blocks; a block's units are a contiguous range of the slice's
-// (column group, k row pair) list, column group major, cut into 8 equal warp ranges.
+// (column group, k row pair) list, column group major, cut into 8 equal warp ranges (2 warpgroup
+// ranges in the wgmma form, whose units are 4 column groups wide).
 #pragma once
 #include "exl3_gemv.cuh"
 #include "wgmma.cuh"
@@ -287,22 +288,22 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             wg_scale = 1;
         } else {
 #pragma unroll
-        for (int kr = 0; kr < KR; ++kr) {
-            const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
-            uint2 b[NG];
-#pragma unroll
-            for (int gr = 0; gr < NG; ++gr)
-                b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(sa_smem + ab + gr * 64) : make_uint2(0u, 0u);
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                uint32_t v[4];
-                gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
-                                                                       shift, v, tc_select);
+            for (int kr = 0; kr < KR; ++kr) {
+                const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
+                uint2 b[NG];
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr)
-                    if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                    b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(sa_smem + ab + gr * 64) : make_uint2(0u, 0u);
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct) {
+                    uint32_t v[4];
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
+                                                                           shift, v, tc_select);
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr)
+                        if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                }
             }
-        }
         }
         seg_units += KR;
         const bool last = s + 1 == n_units;

@@ -3,8 +3,8 @@
 // B (the activations) from shared memory through a descriptor.
 //
 // Why a header of its own: the instructions exist only in sm_90a code (the build compiles sm_90
-// as sm_90a, engine/ops/build.py). Elsewhere the wrappers compile to a trap, and the host never
-// launches a kernel that reaches them (wgmma_available).
+// as sm_90a where CUDA is 12 or newer, engine/ops/build.py). Elsewhere the wrappers compile to a
+// trap, and the host never launches a kernel that reaches them (wgmma_available).
 #pragma once
 #include <cstdint>
 
@@ -18,10 +18,15 @@ namespace trellis {
 #define TRELLIS_WGMMA 0
 #endif
 
-// Whether this device runs the sm_90a code the build made for it (compute capability 9.0).
+// Whether this device runs sm_90a code of this build: the build made some (TRELLIS_SM90A, set by
+// engine/ops/build.py where it targets sm_90a, which needs CUDA 12) and the device is a 9.0 one.
 inline bool wgmma_available() {
+#ifdef TRELLIS_SM90A
     return current_device_attr<cudaDevAttrComputeCapabilityMajor>() == 9 &&
            current_device_attr<cudaDevAttrComputeCapabilityMinor>() == 0;
+#else
+    return false;
+#endif
 }
 
 // Shared-memory matrix descriptor without swizzle: the start address, then the byte distances

@@ -230,6 +230,16 @@ def test_build_inputs_for_setup_py():
     flags = build.nvcc_flags()
     assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_flags(["90"])  # wgmma (csrc/wgmma.cuh)
+    assert "-DTRELLIS_SM90A" in build.nvcc_flags(["90"]) and "-DTRELLIS_SM90A" not in build.nvcc_flags(["89"])
+
+
+def test_cuda_11_builds_hopper_without_wgmma(monkeypatch):
+    """sm_90a needs CUDA 12: with an older CUDA the build targets plain sm_90 (and its PTX) and
+    leaves the host's wgmma switch (TRELLIS_SM90A) off."""
+    monkeypatch.setattr(build, "_cuda_major", lambda: 11)
+    flags = build.nvcc_flags(["90"])
+    assert "-gencode=arch=compute_90,code=sm_90" in flags and "-DTRELLIS_SM90A" not in flags
+    assert not any("90a" in f for f in flags)
 
 
 def test_route_quant_linears_keeps_logits(tmp_path):

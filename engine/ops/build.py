@@ -40,10 +40,13 @@ def nvcc_flags(archs: list[str] | None = None) -> list[str]:
     Compute capability 9.0 builds as sm_90a, the Hopper-only target that has the warpgroup MMA
     (csrc/wgmma.cuh) the many-row products use there; its machine code runs on 9.0 devices alone.
     The PTX stays plain compute_90 so that newer GPUs can still compile it (without wgmma)."""
-    archs = [("90a" if a == "90" else a) for a in (archs or ["80", "90"])]
+    hopper = "90a" if _cuda_major() >= 12 else "90"  # sm_90a needs CUDA 12
+    archs = [(hopper if a == "90" else a) for a in (archs or ["80", "90"])]
     flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
     if debug_variants():
         flags.append("-DTRELLIS_DEBUG_VARIANTS")
+    if "90a" in archs:  # the host may launch the wgmma kernels (csrc/wgmma.cuh, wgmma_available)
+        flags.append("-DTRELLIS_SM90A")
     for a in archs:
         flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
     # PTX for the newest target, plain compute_90 for sm_90a; a build for this one Hopper GPU
@@ -52,6 +55,16 @@ def nvcc_flags(archs: list[str] | None = None) -> list[str]:
         ptx = archs[-1].removesuffix("a")
         flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     return flags
+
+
+def _cuda_major() -> int:
+    """The CUDA major version torch was built with (the extension must be built with the same);
+    12 where torch has none or is absent (nothing is compiled then)."""
+    try:
+        import torch
+    except ImportError:
+        return 12
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else 12
 
 
 def _source_hash() -> str:
