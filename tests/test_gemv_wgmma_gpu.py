@@ -16,10 +16,12 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
+from engine.ops import build  # noqa: E402
 from tests.gpu_layers import DEV, kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
 
 SA_WGMMA, SA_TWO_TILES = 4096, 512
-HOPPER = torch.cuda.get_device_capability() == (9, 0)
+# a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
+HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
 
 
 def _sa_cfgs(fn) -> list[int]:
