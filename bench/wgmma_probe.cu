@@ -137,6 +137,7 @@ struct ProbeStream {
     int p_grp, p_row;
     uint32_t p_dst;
     const uint32_t* p_src;
+    int c_grp, c_row, c_slot = 0;  // the unit being computed: its column group, first k row, ring slot
 
     __device__ ProbeStream(const uint32_t* trellis_, const void* xs, int rb, uint32_t* smem, int nsl, int bps)
         : trellis(trellis_) {
@@ -167,8 +168,8 @@ struct ProbeStream {
             src_off[i] = (kr * kTn + ct * 4 + wi) * kTW + q * 4;
             dst_off[i] = ((kr * CT + ct) * kTW + q * 4) * 4;
         }
-        p_grp = (int)(u0 / nru);
-        p_row = r0 + KR * (int)(u0 % nru);
+        p_grp = c_grp = (int)(u0 / nru);
+        p_row = c_row = r0 + KR * (int)(u0 % nru);
         p_dst = ring_sa;
         p_src = trellis + ((size_t)p_row * kTn + (size_t)p_grp * GT) * kTW;
 #pragma unroll
@@ -193,6 +194,42 @@ struct ProbeStream {
         }
         cp_async_commit();
     }
+
+    // Unit s's stage (its first word in shared memory), once its trellis has landed; fetches unit
+    // s + NS - 1 into the stage freed before it.
+    __device__ int next_stage(int s) {
+        cp_async_wait<NS - 2>();
+        __syncwarp();
+        issue(s + NS - 1);
+        const int stage = ring + c_slot * SW;
+        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+        return stage;
+    }
+
+    // After unit s: whether its column group's sums are complete (the slice's last k rows, or the
+    // warpgroup's last unit), so that they leave by flush() before next_group().
+    __device__ bool group_done(int s) { return (c_row += KR) == r0 + ks || s + 1 == n_units; }
+    __device__ void next_group() {
+        c_row = r0;
+        ++c_grp;
+    }
+
+    // This warp's sums of the current column group (N / 2 a tile: m16n8k16 accumulators of N / 8
+    // row groups) added into z; ZERO: and cleared.
+    template <bool ZERO, int N>
+    __device__ void flush(float* __restrict__ z, float (&acc)[CT][N / 2]) const {
+        const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+            const int col = (c_grp * GT + ct * 4 + wi) * 16 + g;
+#pragma unroll
+            for (int i = 0; i < N / 2; ++i) {
+                const int row = 8 * (i >> 2) + 2 * c + (i & 1);
+                atomicAdd(z + (size_t)row * kOut + col + 8 * ((i >> 1) & 1), acc[ct][i]);
+                if constexpr (ZERO) acc[ct][i] = 0.f;
+            }
+        }
+    }
 };
 
 // The probe kernel. WG: wgmma form, else mma.sync. CT tiles a warp per k row (a column group is
@@ -204,18 +241,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 probe_kernel(const uint32_t* __restrict__ trellis, const half* __restrict__ xs, float* __restrict__ z, int nsl, int bps) {
     constexpr int RB = M * 32;            // bytes of B a k row
     constexpr int NB = M / 8;
-    constexpr int SW = KR * CT * kTW;     // ring stage words
-    constexpr int GT = 4 * CT;            // tiles a column group
     static_assert(KR % 2 == 0, "A double buffer alternates by k row");
     extern __shared__ __align__(128) uint32_t smem[];
     ProbeStream<KR, CT, NS> st(trellis, xs, RB, smem, nsl, bps);
     if (st.n_units <= 0) return;
-    const int lane = st.lane, wi = st.wi, r0 = st.r0, ks = st.ks, n_units = st.n_units, ring = st.ring;
+    const int lane = st.lane, r0 = st.r0;
     const uint32_t acts_sa = st.acts_sa;
     const int g = lane >> 2, c = lane & 3;
     int wa, wb, wc, shift;
     lane_words<4>(lane, wa, wb, wc, shift);
-    int c_row = r0 + KR * (int)(st.u0 % st.nru), c_grp = (int)(st.u0 / st.nru), c_slot = 0;
     float acc[CT][M / 2];
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct)
@@ -224,13 +258,9 @@ probe_kernel(const uint32_t* __restrict__ trellis, const half* __restrict__ xs, 
     uint32_t a[2][CT][4];
     int scale_d = 0;  // wgmma: 0 for the first k row of a column group
 
-    for (int s = 0; s < n_units; ++s) {
-        cp_async_wait<NS - 2>();
-        __syncwarp();
-        st.issue(s + NS - 1);
-        const int stage = ring + c_slot * SW;
-        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
-        const uint32_t unit_b = acts_sa + (uint32_t)(c_row - r0) * RB;
+    for (int s = 0; s < st.n_units; ++s) {
+        const int stage = st.next_stage(s);
+        const uint32_t unit_b = acts_sa + (uint32_t)(st.c_row - r0) * RB;
         const uint64_t unit_desc = SWAP ? wg_smem_desc(unit_b, 256, 128) : wg_smem_desc(unit_b, 128, 256);
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
@@ -244,7 +274,7 @@ probe_kernel(const uint32_t* __restrict__ trellis, const half* __restrict__ xs, 
                 ab[ct][2] = AORD ? v[2] : v[1];
                 ab[ct][3] = v[3];
             }
-            const uint32_t brow = acts_sa + (uint32_t)(c_row + kr - r0) * RB;
+            const uint32_t brow = acts_sa + (uint32_t)(st.c_row + kr - r0) * RB;
             if constexpr (WG) {
                 const uint64_t desc = unit_desc + (uint64_t)((kr * RB) >> 4);
                 wg_fence();
@@ -266,22 +296,11 @@ probe_kernel(const uint32_t* __restrict__ trellis, const half* __restrict__ xs, 
                 }
             }
         }
-        const bool last = s + 1 == n_units;
-        if ((c_row += KR) == r0 + ks || last) {
+        if (st.group_done(s)) {
             if constexpr (WG) wg_wait<0>();
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                const int col = (c_grp * GT + ct * 4 + wi) * 16 + g;
-#pragma unroll
-                for (int i = 0; i < M / 2; ++i) {
-                    const int row = 8 * (i >> 2) + 2 * c + (i & 1);
-                    atomicAdd(z + (size_t)row * kOut + col + 8 * ((i >> 1) & 1), acc[ct][i]);
-                    if constexpr (!WG) acc[ct][i] = 0.f;
-                }
-            }
+            st.template flush<!WG, M>(z, acc);  // wgmma: the next k row's scale_d 0 clears them
             scale_d = 0;
-            c_row = r0;
-            ++c_grp;
+            st.next_group();
         }
     }
     if constexpr (WG) wg_wait<0>();
@@ -337,16 +356,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 probe_i8_kernel(const uint32_t* __restrict__ trellis, const uint8_t* __restrict__ xs, float* __restrict__ z, int nsl, int bps) {
     constexpr int KR = 8;
     constexpr int NB = NCOL / 8, RB = NB * 512;
-    constexpr int SW = KR * CT * kTW;
-    constexpr int GT = 4 * CT;
     extern __shared__ __align__(128) uint32_t smem[];
     ProbeStream<KR, CT, NS> st(trellis, xs, RB, smem, nsl, bps);
     if (st.n_units <= 0) return;
-    const int lane = st.lane, wi = st.wi, r0 = st.r0, ks = st.ks, n_units = st.n_units, ring = st.ring;
+    const int lane = st.lane, r0 = st.r0;
     const uint32_t acts_sa = st.acts_sa;
     const int g = lane >> 2, c = lane & 3;
     const int wa = (lane + 31) & 31, wb = lane;  // K = 4: word t - 1 and word t
-    int c_row = r0 + KR * (int)(st.u0 % st.nru), c_grp = (int)(st.u0 / st.nru), c_slot = 0;
     int iacc[CT][NCOL / 2];
     float facc[CT][NCOL / 2];
 #pragma unroll
@@ -356,13 +372,9 @@ probe_i8_kernel(const uint32_t* __restrict__ trellis, const uint8_t* __restrict_
     uint32_t a[2][CT][8];
     const float step = 1.f / 128;  // a chunk's scale (the shipped path's per-128 steps)
 
-    for (int s = 0; s < n_units; ++s) {
-        cp_async_wait<NS - 2>();
-        __syncwarp();
-        st.issue(s + NS - 1);
-        const int stage = ring + c_slot * SW;
-        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
-        const uint64_t unit_desc = wg_smem_desc(acts_sa + (uint32_t)(c_row - r0) * RB, 128, 256);
+    for (int s = 0; s < st.n_units; ++s) {
+        const int stage = st.next_stage(s);
+        const uint64_t unit_desc = wg_smem_desc(acts_sa + (uint32_t)(st.c_row - r0) * RB, 128, 256);
 #pragma unroll
         for (int kr = 0; kr < KR; ++kr) {
             uint32_t(&ab)[CT][8] = a[kr & 1];
@@ -371,7 +383,7 @@ probe_i8_kernel(const uint32_t* __restrict__ trellis, const uint8_t* __restrict_
                 const int tile = stage + (kr * CT + ct) * kTW;
                 lane_products_k4<true>(smem[tile + wa], smem[tile + wb], ab[ct]);
             }
-            const uint32_t brow = acts_sa + (uint32_t)(c_row + kr - r0) * RB;
+            const uint32_t brow = acts_sa + (uint32_t)(st.c_row + kr - r0) * RB;
             if constexpr (WG) {
                 // The unit's first descriptor plus compile-time steps (a k row is RB bytes, chunk
                 // 1 NB * 256 further): one 64-bit add each, the same for every tile.
@@ -410,20 +422,9 @@ probe_i8_kernel(const uint32_t* __restrict__ trellis, const uint8_t* __restrict_
                 facc[ct][i] = fmaf(step, (float)iacc[ct][i], facc[ct][i]);
                 if constexpr (!WG) iacc[ct][i] = 0;
             }
-        const bool last = s + 1 == n_units;
-        if ((c_row += KR) == r0 + ks || last) {
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                const int col = (c_grp * GT + ct * 4 + wi) * 16 + g;
-#pragma unroll
-                for (int i = 0; i < NCOL / 2; ++i) {
-                    const int row = 8 * (i >> 2) + 2 * c + (i & 1);
-                    atomicAdd(z + (size_t)row * kOut + col + 8 * ((i >> 1) & 1), facc[ct][i]);
-                    facc[ct][i] = 0.f;
-                }
-            }
-            c_row = r0;
-            ++c_grp;
+        if (st.group_done(s)) {
+            st.template flush<true, NCOL>(z, facc);
+            st.next_group();
         }
     }
     cp_async_wait<0>();

@@ -415,6 +415,14 @@ SaGrid sa_grid(const MmArgs& a) {
     return gd;
 }
 
+// Whether every segment of a grouped product (each member after the first) starts on a multiple of
+// `cols` columns: the block-shared kernel's column groups (128), the wgmma form's units.
+inline bool segments_start_on(const MmArgs& a, int cols) {
+    for (int s = 0; s < 3; ++s)
+        if (a.seg_cols[s] < a.out && a.seg_cols[s] % cols) return false;
+    return true;
+}
+
 // Whether the block-shared kernel serves this fp16-path product. gemv_shared_acts setting: 0
 // never; 2 always; 1 17..32 rows (four fragment groups) of layers of at least 4096 x 14336 weights,
 // the rule from session 8 to 38 (8192x28672: 103 against 125 us then, on the H200); 3 (default
@@ -450,9 +458,7 @@ bool sa_applies(const MmArgs& a, int variant) {
         const bool two_groups = mode == 3 && NG == 2 && weights >= 4096L * 28672;
         if (!four_groups && !two_groups) return false;
     }
-    for (int s = 0; s < 3; ++s)
-        if (a.seg_cols[s] < a.out && a.seg_cols[s] % 128) return false;
-    return true;
+    return segments_start_on(a, 128);
 }
 
 template <int K, int CB, int NG, int CFG = 0>
@@ -499,10 +505,7 @@ template <int K>
 bool sa_wgmma(const MmArgs& a, int ct) {
     if (!gemv_wgmma() || K > 4 || !wgmma_available()) return false;
     const int span = 4 * ct * 16;
-    if (a.out % span) return false;
-    for (int s = 0; s < 3; ++s)
-        if (a.seg_cols[s] < a.out && a.seg_cols[s] % span) return false;
-    return true;
+    return a.out % span == 0 && segments_start_on(a, span);
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.

@@ -60,6 +60,15 @@ def template_args(names, kernel: str) -> list[list[str]]:
     return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
 
 
+# The block-shared kernel's CFG bits (csrc/exl3_gemv_sa.cuh: kSaTwoTiles, kSaInFinish, kSaWgmma).
+SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA = 512, 2048, 4096
+
+
+def sa_cfgs(names) -> list[int]:
+    """The CFG template argument (its last) of each block-shared kernel among the kernel names."""
+    return [int(a[-1]) for a in template_args(names, "exl3_gemv_sa_kernel")]
+
+
 def workspaces_zero() -> bool:
     """Every pooled workspace of the fused product is zero again (each product, or the reader of
     its open sums, leaves the one it used so)."""

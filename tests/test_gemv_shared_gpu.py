@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import DEV, capture, kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
+from tests.gpu_layers import (DEV, SA_IN_FINISH, SA_WGMMA, capture, kernels_run, rand_layer, rel_rms,  # noqa: E402
+                               sa_cfgs, template_args, workspaces_zero)
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
 # configurations (one k row per unit, four tiles per unit, both; MUL1's affine step per weight pair;
@@ -78,9 +79,9 @@ def test_default_dispatch_takes_shared_kernel_where_it_measured_faster():
 
 
 def _sa_cfg(names: set[str]) -> int:
-    """The CFG template argument of the block-shared kernel in a set of kernel names (its last)."""
-    (args,) = template_args(names, "exl3_gemv_sa_kernel")
-    return int(args[-1])
+    """The CFG template argument of the one block-shared kernel in a set of kernel names."""
+    (cfg,) = sa_cfgs(names)
+    return cfg
 
 
 def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096x18432():
@@ -99,8 +100,8 @@ def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096
                 ext.set_gemv_sa_tiles(setting)
                 names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
                 want_cfg = 512 if setting == 2 or (two and setting == 1) else 0
-                # (the wgmma bit, 4096, rides along on Hopper: tests/test_gemv_wgmma_gpu.py)
-                assert _sa_cfg(names) & ~4096 == want_cfg, (n_in, n_out, rows, setting, names)
+                # (the wgmma bit rides along on Hopper: tests/test_gemv_wgmma_gpu.py)
+                assert _sa_cfg(names) & ~SA_WGMMA == want_cfg, (n_in, n_out, rows, setting, names)
                 y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows, setting, rel_rms(y, want))
         finally:
@@ -327,7 +328,7 @@ def test_split_finish_of_the_integer_path(rows):
     _finish_kernel_against_warps(rows, 4, 3, int8=True)
 
 
-IN_FINISH_PER_WARP, IN_FINISH_SHARED, SA_IN_FINISH = 47, 46, 2048
+IN_FINISH_PER_WARP, IN_FINISH_SHARED = 47, 46
 
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 32])
@@ -347,7 +348,7 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
 
     def forms(names):
         per_warp = [a[4] for a in template_args(names, "exl3_gemv_kernel")]
-        sa = [int(a[3]) for a in template_args(names, "exl3_gemv_sa_kernel")]
+        sa = sa_cfgs(names)
         assert len(per_warp) + len(sa) == 1, names
         return per_warp, sa
 

@@ -17,15 +17,15 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import DEV, kernels_run, rand_layer, rel_rms, template_args, workspaces_zero  # noqa: E402
+from tests.gpu_layers import DEV, SA_TWO_TILES, SA_WGMMA, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero  # noqa: E402
 
-SA_WGMMA, SA_TWO_TILES = 4096, 512
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
 
 
 def _sa_cfgs(fn) -> list[int]:
-    return [int(a[-1]) for a in template_args(kernels_run(fn), "exl3_gemv_sa_kernel")]
+    """The block-shared kernels' CFGs among the kernels fn() launches."""
+    return sa_cfgs(kernels_run(fn))
 
 
 def _both_forms(run):
