@@ -455,13 +455,18 @@ class ChatPane(QWidget):
             self.meter_label.setText(f"≈ {used:,} tokens in this chat · no model loaded" if used else "No model loaded")
             return
         self.meter.setVisible(True)
+        # QProgressBar repaints synchronously inside setValue (~7 ms of the UI thread with our
+        # style sheet); with updates off the paint is deferred to the event loop's next pass.
+        self.meter.setUpdatesEnabled(False)
         self.meter.setRange(0, limit)
         self.meter.setValue(min(used, limit))
+        self.meter.setUpdatesEnabled(True)
         frac = used / limit
         level = "full" if frac >= 1 else ("warn" if frac >= 0.8 else "ok")
-        self.meter.setProperty("level", level)
-        self.meter.style().unpolish(self.meter)
-        self.meter.style().polish(self.meter)
+        if self.meter.property("level") != level:     # a re-polish costs milliseconds: only on change
+            self.meter.setProperty("level", level)
+            self.meter.style().unpolish(self.meter)
+            self.meter.style().polish(self.meter)
         text = f"≈ {used:,} / {limit:,} tokens of context"
         if level != "ok":
             text += (" — nearly full: when it overflows, the oldest messages are left out of what the model "

@@ -59,10 +59,26 @@ class Transcript(QTextBrowser):
         self._tail_start: int | None = None
         self._tail_id: int | None = None
         self._last_cost_ms = 0.0
+        self._prefix_html = ""
 
     def show_conversation(self, conv_id: int | None, streaming_id: int | None = None) -> None:
+        """Redraw for a change of conversation or state. When everything before the last message
+        is unchanged (an answer starting or finishing), only the last message is replaced: a full
+        `setHtml` re-lays out the whole chat, which on a long one stalls the UI thread."""
+        same_conv = conv_id == self._conv_id
         self._conv_id, self._streaming_id = conv_id, streaming_id
+        path = self.store.path(conv_id) if conv_id else []
+        if (same_conv and path and self._tail_start is not None and self._tail_id == path[-1].id
+                and self.dark == self._app_is_dark()
+                and "".join(self._message_html(m) for m in path[:-1]) == self._prefix_html):
+            self._replace_tail(path[-1])
+            return
         self.redraw()
+
+    @staticmethod
+    def _app_is_dark() -> bool:
+        app = QGuiApplication.instance()
+        return bool(app.property("trellisDark")) if app else False
 
     def schedule_redraw(self) -> None:
         """Coalesce stream updates: at most one partial redraw per interval, and the interval
@@ -75,8 +91,7 @@ class Transcript(QTextBrowser):
         separately so that streaming can replace just that part (see `_redraw_streaming`)."""
         self._timer.stop()
         self.render_count += 1
-        app = QGuiApplication.instance()
-        self.dark = bool(app.property("trellisDark")) if app else False
+        self.dark = self._app_is_dark()
         bar = self.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 40
         old = bar.value()
@@ -85,7 +100,8 @@ class Transcript(QTextBrowser):
         if not path:
             self.setHtml(self._empty("Start a conversation: type below and press Enter. Shift+Enter adds a line."))
             return
-        self.setHtml("".join(self._message_html(m) for m in path[:-1]))
+        self._prefix_html = "".join(self._message_html(m) for m in path[:-1])
+        self.setHtml(self._prefix_html)
         self._insert_last(path[-1], first=len(path) == 1)
         bar.setValue(bar.maximum() if at_bottom else old)
 
@@ -107,6 +123,9 @@ class Transcript(QTextBrowser):
         if m is None or self._tail_start is None or self._tail_id != m.id:
             self.redraw()
             return
+        self._replace_tail(m)
+
+    def _replace_tail(self, m: S.Message) -> None:
         self._timer.stop()
         self.render_count += 1
         bar = self.verticalScrollBar()

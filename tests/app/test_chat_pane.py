@@ -60,6 +60,22 @@ def test_send_streams_into_transcript_and_store(qtbot, window):
     assert "tokens of context" in w.chat.meter_label.text()
 
 
+def test_a_finishing_answer_replaces_only_itself(qtbot, window, monkeypatch):
+    """When an answer ends, only its own HTML is replaced (a full setHtml re-lays out the whole
+    chat on the UI thread); what shows must equal a full redraw's."""
+    w = window
+    send(qtbot, w, "first question")
+    full = []
+    monkeypatch.setattr(w.chat.transcript, "setHtml", lambda h, _f=w.chat.transcript.setHtml: (full.append(1), _f(h)))
+    path = send(qtbot, w, "second *question*")
+    assert len(path) == 4 and path[-1].state == S.DONE
+    after_finish = w.chat.transcript.toPlainText()
+    assert len(full) == 1          # once as the answer starts (the path grew), not at its end
+    assert "first question" in after_finish and "12 tokens" in after_finish and "Regenerate" in after_finish
+    w.chat.transcript.redraw()
+    assert w.chat.transcript.toPlainText() == after_finish
+
+
 @pytest.mark.parametrize("window", [{"FAKE_TOKENS": 400, "FAKE_DELAY": 0.01}], indirect=True)
 def test_escape_stops_a_stream(qtbot, window):
     w = window
