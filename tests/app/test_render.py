@@ -75,7 +75,7 @@ def test_display_math_is_centred_on_its_own_line():
 def test_code_is_never_math():
     text = "Use `$HOME` and `$x$` here.\n\n```bash\necho \"$a$ and $b$\"\n```\n"
     out = render_markdown(text)
-    assert "<code>$HOME</code>" in out and "<code>$x$</code>" in out
+    assert ">$HOME</code>" in out and ">$x$</code>" in out
     assert "$a$ and $b$" in code_blocks(text)[0].code
     assert "<sup>" not in out and "serif" not in out
 
@@ -90,7 +90,7 @@ def test_prices_are_not_math():
 
 def test_math_that_does_not_parse_falls_back_to_source():
     out = render_markdown(r"Broken $\frac{1$ and fine $x^2$")
-    assert r"<code>$\frac{1$</code>" in out
+    assert r">$\frac{1$</code>" in out and "monospace" in out
     assert "<sup>2</sup>" in out
 
 
@@ -122,3 +122,22 @@ def test_matrix_rows_break_only_in_display_blocks():
     assert '<p align="center">' in alone and "<br>" in alone
     assert "<br>" not in inline and "; " in inline
     assert all(d in alone for d in "1234") and alone.index("1") < alone.index("<br>") < alone.index("3")
+
+
+def test_code_spans_are_drawn_in_a_fixed_pitch_face(qapp):
+    """Qt draws a bare <code> in the body font; the span must come out monospaced and shaded
+    (checked in the laid-out document, not in the HTML string)."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QFontInfo, QTextCursor, QTextDocument
+    for dark in (False, True):
+        doc = QTextDocument()
+        doc.setHtml(render_markdown("call `frobnicate()` now", dark=dark))
+        text = doc.toPlainText()
+        at = text.index("frobnicate")
+        cursor = QTextCursor(doc)
+        cursor.setPosition(at + 1)
+        span = cursor.charFormat()
+        cursor.setPosition(text.index("now") + 1)
+        body = cursor.charFormat()
+        assert QFontInfo(span.font()).fixedPitch() and not QFontInfo(body.font()).fixedPitch()
+        assert span.background().style() != Qt.NoBrush and body.background().style() == Qt.NoBrush
