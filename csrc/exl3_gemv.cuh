@@ -195,6 +195,26 @@ __device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
     mma_16816(sacc, kOnes, kOnes, kOnes, kOnes, b.x, b.y);
 }
 
+// The split products' atomics into z as ATOMG (the L2 answers each) instead of REDG (no answer):
+// an A/B build only (TRELLIS_NVCC_DEFINES=TRELLIS_FLUSH_ATOM, engine/ops/build.py). Why: ptxas
+// makes an atomic whose result is unused a REDG unless a fence may follow it; the kernels that
+// carry the warps' output stage (gv_in_finish) have that fence and so flush by ATOMG although
+// split products never run the stage. The per-warp two-group kernel (9..16 rows) without the
+// stage took 112 against 81 us at 16 rows of 8192x28672 on an H100 with a main loop of the same
+// length (session 38); its flush's ATOMG against REDG is the difference in its SASS beyond the
+// dead code itself (session 40). A fence on a branch no product takes (m is at least 1) gives
+// the ATOMG form and costs a compare and branch per flush.
+#ifdef TRELLIS_FLUSH_ATOM
+constexpr bool kFlushAtom = true;
+#else
+constexpr bool kFlushAtom = false;
+#endif
+__device__ __forceinline__ void flush_as_atoms(int m) {
+    if constexpr (kFlushAtom) {
+        if (m < 0) fence_acq_rel_gpu();
+    }
+}
+
 // fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
 // z. D fragment: c0/c1 = (out col g, rows 2cq, 2cq + 1), c2/c3 = the same for col g + 8.
 // MUL1 (the raw decode): each sum is k_inv * acc + k_bias * sacc, sacc the rows' sums of x.
@@ -221,6 +241,7 @@ __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float 
             }
         }
     }
+    flush_as_atoms(m);
 }
 
 // The completion count of block blk: the warp adds the k rows it did (after its atomics, fenced);
@@ -606,6 +627,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     }
                 }
             }
+            flush_as_atoms(m);
         } else {
             gv_flush_f16<NG, CT, kRawMul1>(z, acc, c_grp, m, out, lane, sacc);
         }

@@ -54,8 +54,16 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
 // 2.3%, and the block-shared kernel at 32 rows of 8192x28672 8% (kSaInFinish). But the two-group
 // kernel took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length
 // (250 against 248 instructions a unit, no spills): not understood, so it keeps the stage.
+// TRELLIS_LEAN_TWO_GROUPS (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the two-group
+// kernel without the stage too, as session 38 timed it; with TRELLIS_FLUSH_ATOM (exl3_gemv.cuh) it
+// tells whether that loss is the flush's REDG.
+#ifdef TRELLIS_LEAN_TWO_GROUPS
+constexpr bool kTwoGroupsInFinish = false;
+#else
+constexpr bool kTwoGroupsInFinish = true;
+#endif
 __host__ __device__ constexpr bool gv_in_finish(int var, bool ch, int ng) {
-    return ch || ng == 2 || !gv_shipped_schedule(var) || var == kGvVarInFinish;
+    return ch || (kTwoGroupsInFinish && ng == 2) || !gv_shipped_schedule(var) || var == kGvVarInFinish;
 }
 
 // Ring depth (stages per warp): about 64-100 KB of ring per 8-warp block at every K, so two

@@ -199,6 +199,22 @@ def test_debug_variants_are_a_build_of_their_own(monkeypatch):
     assert build.cache_dir("89") != plain and build.cache_dir("89").name == plain.name + "-dbg"
 
 
+def test_ab_defines_make_a_build_of_their_own(monkeypatch):
+    """A benchmark's A/B build (TRELLIS_NVCC_DEFINES) compiles its macros under a cache key of its
+    own, and takes macro names only."""
+    monkeypatch.delenv("TRELLIS_NVCC_DEFINES", raising=False)
+    plain_flags, plain = build.nvcc_flags(["90"]), build.cache_dir("90")
+    assert not any(f.startswith("-DTRELLIS_FLUSH") for f in plain_flags)
+    monkeypatch.setenv("TRELLIS_NVCC_DEFINES", "TRELLIS_FLUSH_ATOM, TRELLIS_LEAN_TWO_GROUPS")
+    flags = build.nvcc_flags(["90"])
+    assert "-DTRELLIS_FLUSH_ATOM" in flags and "-DTRELLIS_LEAN_TWO_GROUPS" in flags
+    assert build.cache_dir("90").name == plain.name + "-flush_atom-lean_two_groups"
+    for bad in ("TRELLIS_X=1", "-O0", "trellis_flush_atom", "OTHER_MACRO", "TRELLIS_X;rm"):
+        monkeypatch.setenv("TRELLIS_NVCC_DEFINES", bad)
+        with pytest.raises(build.KernelBuildError, match="TRELLIS_NVCC_DEFINES"):
+            build.nvcc_flags(["90"])
+
+
 def test_a_debug_variant_missing_from_the_build_is_a_clear_error(monkeypatch):
     """Asking a user's build (no debug variants) for a probe says how to get one; the variants
     that take shipped kernels (10: one k row everywhere; 30 / 31: block-shared on / off) still run.

@@ -35,6 +35,18 @@ def debug_variants() -> bool:
     return os.environ.get("TRELLIS_DEBUG_VARIANTS", "0") == "1"
 
 
+def ab_defines() -> list[str]:
+    """TRELLIS_NVCC_DEFINES="NAME ...": macros for a benchmark's A/B build (csrc/ kernels in a form
+    that ships nowhere, e.g. TRELLIS_FLUSH_ATOM), each compiled as -DNAME into a cache entry of its
+    own, so that alternating processes can time two builds. Names only, upper case: a value or an
+    option here would be a way to pass anything to nvcc."""
+    names = os.environ.get("TRELLIS_NVCC_DEFINES", "").replace(",", " ").split()
+    for n in names:
+        if not (n.startswith("TRELLIS_") and n.replace("_", "").isalnum() and n.isupper()):
+            raise KernelBuildError(f"TRELLIS_NVCC_DEFINES: {n!r} is not a TRELLIS_ macro name")
+    return sorted(set(names))
+
+
 def nvcc_flags(archs: list[str] | None = None) -> list[str]:
     """nvcc flags; archs like ["80", "90"] (default: sm_80 + sm_90a machine code + sm_90 PTX).
     Compute capability 9.0 builds as sm_90a, the Hopper-only target that has the warpgroup MMA
@@ -45,6 +57,7 @@ def nvcc_flags(archs: list[str] | None = None) -> list[str]:
     flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
     if debug_variants():
         flags.append("-DTRELLIS_DEBUG_VARIANTS")
+    flags += [f"-D{n}" for n in ab_defines()]
     if "90a" in archs:  # the host may launch the wgmma kernels (csrc/wgmma.cuh, wgmma_available)
         flags.append("-DTRELLIS_SM90A")
     for a in archs:
@@ -83,6 +96,8 @@ def cache_dir(arch: str) -> Path:
     tag = f"torch{torch.__version__.split('+')[0]}-cu{torch.version.cuda}-sm{arch}-{_source_hash()}"
     if debug_variants():
         tag += "-dbg"
+    for n in ab_defines():
+        tag += "-" + n.removeprefix("TRELLIS_").lower()
     return root / "ext" / tag
 
 
