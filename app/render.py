@@ -209,7 +209,7 @@ def render_markdown(text: str, dark: bool = False, copy_prefix: str = "copy:") -
         rendered = rendered.replace(ph, math_html(item))
     # Qt's rich text draws <code> in the body font; name the face and shade it so that a code
     # span reads as code (blocks are <pre>, inserted below, and untouched).
-    span_bg = "#343841" if dark else "#eef0f3"
+    span_bg = "#3a3f48" if dark else "#e4e7eb"  # shows on both bubbles
     rendered = rendered.replace("<code>", f'<code style="font-family:monospace; background-color:{span_bg};">')
     bg = "#272822" if dark else "#f4f5f7"
     fg = "#f8f8f2" if dark else "#1f2328"
