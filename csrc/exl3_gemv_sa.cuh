@@ -539,6 +539,19 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     return launch_gemv_ng<K, CB, GV_F16, NG>(a, variant == 31 ? 0 : variant, stream);
 }
 
+// MUL1's products of one K as explicit instantiations (PREFIX extern: declared only), so that a K
+// file can leave them to files of their own, which compile in parallel with it. Why: K = 4 has
+// most of the debug variants and made one translation unit of 129 s (debug build; 15-58 s the
+// next largest), the build's long pole on the GPU machine's 16 cores; split three ways it is not
+// (exl3_mm_k4.cu, exl3_gv_k4_mul1_f16.cu, exl3_gv_k4_mul1_i8.cu; csrc/PERF_NOTES.md, session 40).
+#define TRELLIS_GV_MUL1_F16(PREFIX, K)                                                             \
+    PREFIX template cudaError_t launch_gemv_f16<K, CB_MUL1, 1>(const MmArgs&, int, cudaStream_t); \
+    PREFIX template cudaError_t launch_gemv_f16<K, CB_MUL1, 2>(const MmArgs&, int, cudaStream_t); \
+    PREFIX template cudaError_t launch_gemv_f16<K, CB_MUL1, 4>(const MmArgs&, int, cudaStream_t);
+#define TRELLIS_GV_MUL1_I8(PREFIX, K)                                                                     \
+    PREFIX template cudaError_t launch_gemv_ng<K, CB_MUL1, GV_I8, 1>(const MmArgs&, int, cudaStream_t); \
+    PREFIX template cudaError_t launch_gemv_ng<K, CB_MUL1, GV_I8, 2>(const MmArgs&, int, cudaStream_t);
+
 // One K: a.scales != null or self prep selects the MUL1 integer path (m <= 8), else the fp16 path
 // (m <= 32).
 template <int K>

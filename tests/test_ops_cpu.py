@@ -243,6 +243,8 @@ def test_build_inputs_for_setup_py():
     srcs = build.extension_sources()
     names = {s.rsplit("/", 1)[-1] for s in srcs}
     assert "bindings.cpp" in names and {f"exl3_mm_k{k}.cu" for k in range(1, 9)} <= names
+    # K = 4's MUL1 products compile apart, in parallel (TRELLIS_GV_MUL1_*, exl3_gemv_sa.cuh)
+    assert {"exl3_gv_k4_mul1_f16.cu", "exl3_gv_k4_mul1_i8.cu"} <= names
     flags = build.nvcc_flags()
     assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90a,code=sm_90a" in flags
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_flags(["90"])  # wgmma (csrc/wgmma.cuh)

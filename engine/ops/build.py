@@ -31,7 +31,8 @@ def extension_sources() -> list[str]:
 def debug_variants() -> bool:
     """TRELLIS_DEBUG_VARIANTS=1: also build the products' debug variants (timing probes, occupancy
     configurations, earlier forms) that the GPU tests and benchmarks use. Off, the first-use build
-    compiles the shipped kernels alone, which roughly halves its largest file (exl3_mm_k4.cu)."""
+    compiles the shipped kernels alone, which roughly halves the K = 4 files (exl3_mm_k4.cu and
+    exl3_gv_k4_mul1_*.cu)."""
     return os.environ.get("TRELLIS_DEBUG_VARIANTS", "0") == "1"
 
 
