@@ -541,9 +541,10 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
 
 // MUL1's products of one K as explicit instantiations (PREFIX extern: declared only), so that a K
 // file can leave them to files of their own, which compile in parallel with it. Why: K = 4 has
-// most of the debug variants and made one translation unit of 129 s (debug build; 15-58 s the
-// next largest), the build's long pole on the GPU machine's 16 cores; split three ways it is not
-// (exl3_mm_k4.cu, exl3_gv_k4_mul1_f16.cu, exl3_gv_k4_mul1_i8.cu; csrc/PERF_NOTES.md, session 40).
+// most of the debug variants; as one translation unit it took 129 s to compile (debug build; the
+// next largest files 53-58 s), the long pole of a build on the GPU machine's 16 cores. Split in
+// three (exl3_mm_k4.cu, exl3_gv_k4_mul1_f16.cu, exl3_gv_k4_mul1_i8.cu), its largest part takes 58 s
+// (csrc/PERF_NOTES.md, session 40).
 #define TRELLIS_GV_MUL1_F16(PREFIX, K)                                                             \
     PREFIX template cudaError_t launch_gemv_f16<K, CB_MUL1, 1>(const MmArgs&, int, cudaStream_t); \
     PREFIX template cudaError_t launch_gemv_f16<K, CB_MUL1, 2>(const MmArgs&, int, cudaStream_t); \
