@@ -24,6 +24,7 @@ constexpr bool kDebugVariants = false;
 constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles per unit (kSaTwoTiles)
 constexpr int kSaVarSkipEmpty = 45;  // debug: no MMAs for its empty row groups (kSaSkipEmpty)
 constexpr int kSaVarInFinish = 46;   // debug: its warps' output stage compiled in (kSaInFinish), run split
+constexpr int kSaVarWgmmaTcSum = 48;  // debug: its wgmma form with MUL1's byte sums by MMAs (kSaTcSum)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -36,7 +36,10 @@ namespace trellis {
 // Since session 38 no kernel without kSaInFinish has that stage, so variant 38 runs CFG 0. CFG 64
 // (variant 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
-// (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four).
+// (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four). CFG 4224
+// (variant 48, session 40, not yet run): that with wgmma, where its four fp16 MMAs a tile no longer
+// hold the warp, so the two byte-sum MMAs may pay (on a 9.0 device, 17..32 rows, four tiles a
+// unit; elsewhere variant 48 runs CFG 128).
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
 // unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
 // 37, not yet run): no MMAs for row groups without rows (the fourth at 17..24 rows), under a
@@ -444,7 +447,7 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
-           variant == kSaVarInFinish;
+           variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -533,6 +536,12 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);
             if (variant == kSaVarInFinish) return launch_gemv_sa<K, CB, NG, kSaInFinish>(a, stream);
+            if (variant == kSaVarWgmmaTcSum) {
+                if constexpr (NG == 4) {
+                    if (sa_wgmma<K>(a, 4)) return launch_gemv_sa<K, CB, NG, kSaWgmma | kSaTcSum>(a, stream);
+                }
+                return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
+            }
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -60,8 +60,9 @@ def template_args(names, kernel: str) -> list[list[str]]:
     return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
 
 
-# The block-shared kernel's CFG bits (csrc/exl3_gemv_sa.cuh: kSaTwoTiles, kSaInFinish, kSaWgmma).
-SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA = 512, 2048, 4096
+# The block-shared kernel's CFG bits (csrc/exl3_gemv_sa.cuh: kSaTcSum, kSaTwoTiles, kSaInFinish,
+# kSaWgmma).
+SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA = 128, 512, 2048, 4096
 
 
 def sa_cfgs(names) -> list[int]:
