@@ -443,7 +443,7 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40 and 44-46 force it on (sa_forced), 31 and the other variants (probes
+// Debug variants 30, 32-40, 44-46 and 48 force it on (sa_forced), 31 and the other variants (probes
 // and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
