@@ -279,3 +279,17 @@ def test_argmax_on_cpu_is_torch_argmax():
     x = torch.randn(3, 7, 11)
     x[0, 0, [2, 9]] = 5.0
     assert torch.equal(ops.argmax(x), torch.argmax(x, dim=-1))
+
+
+def test_an_empty_integer_setting_keeps_its_default(monkeypatch):
+    # `TRELLIS_GV_WGMMA=` in a script used to mean 0 (wgmma off) while other knobs kept their
+    # defaults; empty now always means the default, and a bad value names the knob.
+    monkeypatch.setenv("TRELLIS_GV_WGMMA", "")
+    assert ops._int_setting("TRELLIS_GV_WGMMA", 1) == 1
+    monkeypatch.setenv("TRELLIS_GV_WGMMA", " 0 ")
+    assert ops._int_setting("TRELLIS_GV_WGMMA", 1) == 0
+    monkeypatch.delenv("TRELLIS_GV_WGMMA")
+    assert ops._int_setting("TRELLIS_GV_WGMMA", 1) == 1
+    monkeypatch.setenv("TRELLIS_GV_WGMMA", "yes")
+    with pytest.raises(ValueError, match="TRELLIS_GV_WGMMA must be an integer, not 'yes'"):
+        ops._int_setting("TRELLIS_GV_WGMMA", 1)

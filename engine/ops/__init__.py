@@ -26,9 +26,21 @@ from engine.ops.token_pick import argmax, sample_top, sample_top_available, topk
 from engine.ops.open_sums import OpenSums
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
+def _int_setting(name: str, default: int) -> int:
+    """An integer knob from the environment; unset or empty means the default, so that `NAME=`
+    in a script never silently turns a feature off."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, not {raw!r}") from None
+
+
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Above this many rows the product reconstructs W-hat once and uses cuBLAS (prefill).
-FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
+FUSED_MAX_ROWS = _int_setting("TRELLIS_FUSED_MAX_ROWS", 64)
 # MUL1 layers may use the integer tensor-core path (activations as two int8 passes, about 15
 # bits) up to INT8_MAX_ROWS rows. One launch covers 4 rows (a B column per (row, pass)) at about
 # the cost of one, so it pays up to 4 rows (8192x28672 at 4 rows: 53 us against 62 for the fp16
@@ -38,7 +50,7 @@ FUSED_MAX_ROWS = int(os.environ.get("TRELLIS_FUSED_MAX_ROWS", "64"))
 INT8_MAX_ROWS = {"0": 0, "auto": 4, "1": 8}.get(os.environ.get("TRELLIS_INT8", "auto").lower(), 4)
 # Fused-product kernel generation: 3 = persistent warps (csrc/exl3_gemv.cuh), 2 = the previous
 # one (csrc/exl3_mm.cuh), kept so benchmarks can report the ratio between them.
-MM_VERSION = int(os.environ.get("TRELLIS_MM_VERSION", "3"))
+MM_VERSION = _int_setting("TRELLIS_MM_VERSION", 3)
 
 # Norm, residual, RoPE and gated-activation kernels: on by default; benchmarks turn them off
 # (TRELLIS_GLUE=0) to time the same model with the PyTorch ops they replace.
@@ -52,7 +64,7 @@ ATTN_KERNEL = os.environ.get("TRELLIS_ATTN", "kernel").lower() not in ("sdpa", "
 # or 7, the K = 4 integer path's previous split of its decode between the ALU and FMA pipes, or 8,
 # 21 and 22, the decode forms of session 32; a benchmark knob); anything else below 10 means the
 # shipped one.
-_DEFAULT_VARIANT = int(os.environ.get("TRELLIS_GV_VARIANT", "0"))
+_DEFAULT_VARIANT = _int_setting("TRELLIS_GV_VARIANT", 0)
 if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT not in (7, 8):
     _DEFAULT_VARIANT = 0
 
@@ -65,7 +77,7 @@ if _DEFAULT_VARIANT < 10 and _DEFAULT_VARIANT not in (7, 8):
 # batch 9-32 ran 10-11% faster with 2 than with 1, 1 was 8-11% faster than 0 at 17-32 (session
 # 28), and 3 8% faster than 2 at batch 5 and 8; on the H200, 4 was 3-5% faster than 3 at batch 1
 # and 10% at batch 4 (session 29, csrc/PERF_NOTES.md).
-GV_SPLIT_FINISH = int(os.environ.get("TRELLIS_GV_SPLIT_FINISH", "5") or 5)
+GV_SPLIT_FINISH = _int_setting("TRELLIS_GV_SPLIT_FINISH", 5)
 # At 5, the chain finish kernel reads what kernels before its product wrote (the input's row sums,
 # the residual) before its PDL wait, so that after the wait only the product's sums are a round trip
 # away (csrc/exl3_gemv_finish.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
@@ -92,34 +104,34 @@ CHAIN = _chain.parse_setting(os.environ.get("TRELLIS_CHAIN", "1" if GV_SPLIT_FIN
 # row only where the finish kernel writes the links (split finish 5), and not the attention link
 # (one sequence). Batch 2 / 4 decode of Llama-3.1-8B shapes ran 2-8% / 2-5% faster than with
 # one-row chains only (H100 and H200, session 31).
-CHAIN_ROWS = max(1, min(4, int(os.environ.get("TRELLIS_CHAIN_ROWS", "4") or 4)))
+CHAIN_ROWS = max(1, min(4, _int_setting("TRELLIS_CHAIN_ROWS", 4)))
 
 # From how many k-row quads per resident warp a one-group product takes four k rows per unit
 # (TRELLIS_GV_FOUR_ROW_UNITS, default 3; 0 never; csrc/PERF_NOTES.md, session 12). Set on the
 # extension when it loads; benchmarks and tests that change it restore this.
-FOUR_ROW_UNITS = int(os.environ.get("TRELLIS_GV_FOUR_ROW_UNITS", "3") or 0)
+FOUR_ROW_UNITS = _int_setting("TRELLIS_GV_FOUR_ROW_UNITS", 3)
 
 # Where a product takes the compact ring, which fits two blocks in an SM of 100 KB (csrc/
 # exl3_gemv_geom.cuh; the shipped rings are sized for the H200's 228 KB): TRELLIS_GV_COMPACT = 3
 # (default) wherever two shipped blocks do not fit on an SM (RTX 30/40/50, some A100 products;
 # never on an H200), 0 only where the shipped block cannot launch at all, 1 always (a test knob;
 # session 23's GPU run checked the compact kernels so), 2 never.
-GV_COMPACT = int(os.environ.get("TRELLIS_GV_COMPACT", "3") or 0)
+GV_COMPACT = _int_setting("TRELLIS_GV_COMPACT", 3)
 # Small products on the compact ring on every GPU: a product of one group of rows (up to 4 on the
 # integer path, 8 on the fp16 one) that would take one k row per unit with fewer than this many
 # units per resident warp (TRELLIS_GV_LEAN_UNITS; 0 never; not in setting 2).
 # On the H200 Llama-3.1-8B's q/k/v and o_proj products ran 8% and 13% faster on that ring, and its
 # decode 2.7% faster (sessions 24 and 26, csrc/PERF_NOTES.md).
-GV_LEAN_UNITS = int(os.environ.get("TRELLIS_GV_LEAN_UNITS", "16") or 0)
+GV_LEAN_UNITS = _int_setting("TRELLIS_GV_LEAN_UNITS", 16)
 # The most groups of rows a product may have and still take the rule above
 # (TRELLIS_GV_LEAN_GROUPS). 4, which reaches the fp16 path's 32 rows, decoded batches of 16 and 32
 # 2% and 0.3% slower than 1 on an H100 (session 27, csrc/PERF_NOTES.md).
-GV_LEAN_GROUPS = int(os.environ.get("TRELLIS_GV_LEAN_GROUPS", "1") or 1)
+GV_LEAN_GROUPS = _int_setting("TRELLIS_GV_LEAN_GROUPS", 1)
 # How a product's grid meets the SM count where the min-units cap leaves it short of two blocks
 # per SM (TRELLIS_GV_GRID_FILL): 0 as the cap gives it (before session 33), 1 (default) every
 # resident block where the cap gives between one and two per SM (Llama-3.1-8B's one-row q/k/v and
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
-GV_GRID_FILL = int(os.environ.get("TRELLIS_GV_GRID_FILL", "1") or 0)
+GV_GRID_FILL = _int_setting("TRELLIS_GV_GRID_FILL", 1)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
@@ -142,11 +154,11 @@ SELF_PREP = os.environ.get("TRELLIS_SELF_PREP", "0") == "1"
 # (csrc/exl3_gemv_sa.cuh, sa_applies): TRELLIS_GV_SHARED 0 none, 2 all, 3 (default) where that
 # measured faster (by rows and layer size, session 39), 1 the rule before (a benchmark baseline).
 # Tests that change it restore this.
-GV_SHARED = int(os.environ.get("TRELLIS_GV_SHARED", "3") or 3)
+GV_SHARED = _int_setting("TRELLIS_GV_SHARED", 3)
 # Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA where the
 # device has it (compute capability 9.0; csrc/exl3_gemv_sa.cuh, kSaWgmma): TRELLIS_GV_WGMMA=0 keeps
 # the synchronous MMAs (the baseline). Tests that change it restore this.
-GV_WGMMA = int(os.environ.get("TRELLIS_GV_WGMMA", "1") or 0)
+GV_WGMMA = _int_setting("TRELLIS_GV_WGMMA", 1)
 
 # Decode attention merges its splits' partials in one pass (TRELLIS_ATTN_MERGE=2: the max first,
 # then the sums, as before session 15; a benchmark knob, csrc/decode_attention.cu).
@@ -155,7 +167,7 @@ ATTN_MERGE_ONLINE = os.environ.get("TRELLIS_ATTN_MERGE", "1") != "2"
 # Decode attention (head dim 64 or 128) walks its keys on the tensor cores, through shared-memory
 # stages that cp.async fills ahead, from spans of this many cache slots on (TRELLIS_ATTN_MMA_SLOTS;
 # 0: never, the scalar walk of before session 19; csrc/decode_attention.cu).
-ATTN_MMA_SLOTS = int(os.environ.get("TRELLIS_ATTN_MMA_SLOTS", "1") or 0)
+ATTN_MMA_SLOTS = _int_setting("TRELLIS_ATTN_MMA_SLOTS", 1)
 # Up to how many slots the tensor-core walk takes one split (the extension's default; benchmarks
 # and tests that change it restore this).
 ATTN_MMA_ONE_SPLIT = 256
@@ -171,7 +183,7 @@ ATTN_CHAIN_D256 = os.environ.get("TRELLIS_ATTN_CHAIN_D256", "0") == "1"
 # Decode attention over short caches gives each warp one load of 16 keys while that takes at most
 # this many splits (TRELLIS_ATTN_ONE_LOAD_SPLITS=0: about 32 keys per warp always, as before
 # session 16).
-ATTN_ONE_LOAD_SPLITS = int(os.environ.get("TRELLIS_ATTN_ONE_LOAD_SPLITS", "10") or 0)
+ATTN_ONE_LOAD_SPLITS = _int_setting("TRELLIS_ATTN_ONE_LOAD_SPLITS", 10)
 
 # fp16 Hadamards (the prefill's input and output transforms) run in 64-row tiles in shared memory
 # (TRELLIS_HAD_TILES=0: a warp per 128-block, as before session 17; the same bits).
@@ -213,11 +225,11 @@ def extension():
         # Programmatic dependent launch of the product (sm_90+): TRELLIS_PDL=0 turns it off.
         _ext.set_pdl(os.environ.get("TRELLIS_PDL", "1") != "0")
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
-        _ext.set_gemv_min_units(int(os.environ.get("TRELLIS_GV_MIN_UNITS", "8")))
+        _ext.set_gemv_min_units(_int_setting("TRELLIS_GV_MIN_UNITS", 8))
         _ext.set_gemv_grid_fill(GV_GRID_FILL)
         # From how many k-row pairs per resident warp a product takes two k rows per unit
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
-        _ext.set_gemv_two_row_units(int(os.environ.get("TRELLIS_GV_TWO_ROW_UNITS", "6") or 6))
+        _ext.set_gemv_two_row_units(_int_setting("TRELLIS_GV_TWO_ROW_UNITS", 6))
         _ext.set_gemv_four_row_units(FOUR_ROW_UNITS)
         _ext.set_gemv_compact(GV_COMPACT)
         _ext.set_gemv_lean_units(GV_LEAN_UNITS)
@@ -226,7 +238,7 @@ def extension():
         # its main loop, so the next kernel's prologue overlaps the product's tail; 1 at the
         # product's (and decode attention's) start, measured slower; 0 when it ends
         # (csrc/PERF_NOTES.md, sessions 5 and 6).
-        _ext.set_early_trigger(int(os.environ.get("TRELLIS_EARLY_TRIGGER", "2") or 0))
+        _ext.set_early_trigger(_int_setting("TRELLIS_EARLY_TRIGGER", 2))
         # Whether decode products (m = 1, MUL1 integer path) prep their own input instead of a
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
@@ -240,14 +252,14 @@ def extension():
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
-        _ext.set_gemv_sa_grid(int(os.environ.get("TRELLIS_GV_SA_GRID", "1") or 1))
+        _ext.set_gemv_sa_grid(_int_setting("TRELLIS_GV_SA_GRID", 1))
         # Its units (TRELLIS_GV_SA_TILES): 1 (default) two tiles per unit at 25..32 rows of layers of
         # fewer than 4096 x 18432 weights at K <= 4, 0 four tiles everywhere (as before session 37),
         # 2 two tiles at every K, shape and 17..32 rows (benchmarks).
-        _ext.set_gemv_sa_tiles(int(os.environ.get("TRELLIS_GV_SA_TILES", "1") or 1))
+        _ext.set_gemv_sa_tiles(_int_setting("TRELLIS_GV_SA_TILES", 1))
         # Workspace rows a product's finishing warp reads per round trip (TRELLIS_FINISH_ROWS=1: row by
         # row, the earlier order, for a same-run baseline).
-        _ext.set_gemv_finish_rows(int(os.environ.get("TRELLIS_FINISH_ROWS", "8") or 8))
+        _ext.set_gemv_finish_rows(_int_setting("TRELLIS_FINISH_ROWS", 8))
         _ext.set_had_tiles(HAD_TILES)
         _ext.set_had_pipeline(HAD_PIPELINE)
         if _DEFAULT_VARIANT:
