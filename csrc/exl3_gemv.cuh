@@ -195,15 +195,15 @@ __device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
     mma_16816(sacc, kOnes, kOnes, kOnes, kOnes, b.x, b.y);
 }
 
-// The split products' atomics into z as ATOMG (the L2 answers each) instead of REDG (no answer):
-// an A/B build only (TRELLIS_NVCC_DEFINES=TRELLIS_FLUSH_ATOM, engine/ops/build.py). Why: ptxas
-// makes an atomic whose result is unused a REDG unless a fence may follow it; the kernels that
-// carry the warps' output stage (gv_in_finish) have that fence and so flush by ATOMG although
-// split products never run the stage. The per-warp two-group kernel (9..16 rows) without the
-// stage took 112 against 81 us at 16 rows of 8192x28672 on an H100 with a main loop of the same
-// length (session 38); its flush's ATOMG against REDG is the difference in its SASS beyond the
-// dead code itself (session 40). A fence on a branch no product takes (m is at least 1) gives
-// the ATOMG form and costs a compare and branch per flush.
+// The split products' atomics into z. ptxas makes an atomic whose result is unused a REDG (no
+// answer from the L2) unless a fence may follow it; the kernels that carry the warps' output
+// stage (gv_in_finish: the two-group kernel, the decode chain kernels) have that fence and so
+// flush by ATOMG, although split products never run the stage. Two A/B builds
+// (TRELLIS_NVCC_DEFINES, engine/ops/build.py):
+// - TRELLIS_FLUSH_ATOM: every flush as ATOMG (a fence on a branch no product takes; m is at least
+//   1). On an H100 that made 8 rows of 8192x28672 13% slower and 32 rows 38% (session 41).
+// - TRELLIS_FLUSH_RED: every flush as an explicit `red` (REDG even where a fence follows), which
+//   the PTX memory model orders before the completion count's release fence like any write.
 #ifdef TRELLIS_FLUSH_ATOM
 constexpr bool kFlushAtom = true;
 #else
@@ -213,6 +213,14 @@ __device__ __forceinline__ void flush_as_atoms(int m) {
     if constexpr (kFlushAtom) {
         if (m < 0) fence_acq_rel_gpu();
     }
+}
+
+__device__ __forceinline__ void add_to_workspace(float* p, float v) {
+#ifdef TRELLIS_FLUSH_RED
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
+#else
+    atomicAdd(p, v);
+#endif
 }
 
 // fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
@@ -232,12 +240,12 @@ __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float 
             const int col = (grp * CT + ct) * 16 + g;
             const int row = gr * 8 + 2 * cq;
             if (row < m) {
-                atomicAdd(z + (size_t)row * out + col, val(ct, 0));
-                atomicAdd(z + (size_t)row * out + col + 8, val(ct, 2));
+                add_to_workspace(z + (size_t)row * out + col, val(ct, 0));
+                add_to_workspace(z + (size_t)row * out + col + 8, val(ct, 2));
             }
             if (row + 1 < m) {
-                atomicAdd(z + (size_t)(row + 1) * out + col, val(ct, 1));
-                atomicAdd(z + (size_t)(row + 1) * out + col + 8, val(ct, 3));
+                add_to_workspace(z + (size_t)(row + 1) * out + col, val(ct, 1));
+                add_to_workspace(z + (size_t)(row + 1) * out + col + 8, val(ct, 3));
             }
         }
     }
@@ -622,8 +630,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     const int row = gr * 4 + cq;
                     if (row < m) {
                         const float base = SP ? kMul1C0 * cpart : seg_has_row0 ? kMul1C0 * cadd[gr] : 0.f;
-                        atomicAdd(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
-                        atomicAdd(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
+                        add_to_workspace(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
+                        add_to_workspace(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
                     }
                 }
             }
