@@ -1,4 +1,6 @@
 #!/bin/bash
+# Ran in session 41 on an H100 (csrc/PERF_NOTES.md). TRELLIS_FLUSH_ATOM was removed after it, so
+# its atom and both builds now build base and lean2.
 # Session 40's A/B (written without device time, not yet run): do the split products' atomics
 # into the workspace cost less as ATOMG (the L2 answers each) than as the REDG ptxas makes of
 # them? The one kernel that still flushes by ATOMG in the shipped build, the per-warp two-group

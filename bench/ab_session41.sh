@@ -1,4 +1,6 @@
 #!/bin/bash
+# Ran in session 41 on an H100 (csrc/PERF_NOTES.md) with `red` in every kernel's flush; since then
+# TRELLIS_FLUSH_RED reaches only the kernels that carry the output stage (bench/ab_session42.sh).
 # Session 41's A/B: the split products' flushes as explicit `red` (TRELLIS_FLUSH_RED,
 # csrc/exl3_gemv.cuh add_to_workspace) against the shipped atomics. Why: session 41's first calls
 # found every flush as ATOMG 13% slower at 8 rows and 38% at 32 rows of 8192x28672 (H100), and the

@@ -197,36 +197,34 @@ __device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
 
 // The split products' atomics into z. ptxas makes an atomic whose result is unused a REDG (no
 // answer from the L2) unless a fence may follow it; the kernels that carry the warps' output
-// stage (gv_in_finish: the two-group kernel, the decode chain kernels) have that fence and so
-// flush by ATOMG, although split products never run the stage. Two A/B builds
-// (TRELLIS_NVCC_DEFINES, engine/ops/build.py):
-// - TRELLIS_FLUSH_ATOM: every flush as ATOMG (a fence on a branch no product takes; m is at least
-//   1). On an H100 that made 8 rows of 8192x28672 13% slower and 32 rows 38% (session 41).
-// - TRELLIS_FLUSH_RED: every flush as an explicit `red` (REDG even where a fence follows), which
-//   the PTX memory model orders before the completion count's release fence like any write.
-#ifdef TRELLIS_FLUSH_ATOM
-constexpr bool kFlushAtom = true;
-#else
-constexpr bool kFlushAtom = false;
-#endif
-__device__ __forceinline__ void flush_as_atoms(int m) {
-    if constexpr (kFlushAtom) {
-        if (m < 0) fence_acq_rel_gpu();
-    }
-}
-
-__device__ __forceinline__ void add_to_workspace(float* p, float v) {
+// stage (gv_in_finish: the two-group kernels, the decode chain kernels) have that fence and so
+// flush by ATOMG, although split products never run the stage. ATOMG costs: every flush as ATOMG
+// made 8 rows of 8192x28672 13% slower and 32 rows 38% (H100, session 41's A/B build, since
+// removed). TRELLIS_FLUSH_RED (an A/B build, TRELLIS_NVCC_DEFINES in engine/ops/build.py) writes
+// the stage-carrying kernels' flushes as an explicit `red`, a REDG although a fence may follow;
+// the PTX memory model orders it before the completion count's release fence like any write.
+// Only those kernels: an inline-asm `red` everywhere also renumbered the registers of kernels
+// that already flushed by REDG (session 41).
 #ifdef TRELLIS_FLUSH_RED
-    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
+constexpr bool kFlushRed = true;
 #else
-    atomicAdd(p, v);
+constexpr bool kFlushRed = false;
 #endif
+
+// kStage: the kernel carries the warps' output stage (gv_in_finish).
+template <bool kStage>
+__device__ __forceinline__ void add_to_workspace(float* p, float v) {
+    if constexpr (kStage && kFlushRed) {
+        asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v));
+    } else {
+        atomicAdd(p, v);
+    }
 }
 
 // fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
 // z. D fragment: c0/c1 = (out col g, rows 2cq, 2cq + 1), c2/c3 = the same for col g + 8.
 // MUL1 (the raw decode): each sum is k_inv * acc + k_bias * sacc, sacc the rows' sums of x.
-template <int NG, int CT, bool MUL1 = false>
+template <int NG, int CT, bool MUL1 = false, bool kStage = false>
 __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float (&acc)[NG][CT][4], int grp, int m,
                                              int out, int lane, const float (*sacc)[4] = nullptr) {
     const int g = lane >> 2, cq = lane & 3;
@@ -240,16 +238,15 @@ __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float 
             const int col = (grp * CT + ct) * 16 + g;
             const int row = gr * 8 + 2 * cq;
             if (row < m) {
-                add_to_workspace(z + (size_t)row * out + col, val(ct, 0));
-                add_to_workspace(z + (size_t)row * out + col + 8, val(ct, 2));
+                add_to_workspace<kStage>(z + (size_t)row * out + col, val(ct, 0));
+                add_to_workspace<kStage>(z + (size_t)row * out + col + 8, val(ct, 2));
             }
             if (row + 1 < m) {
-                add_to_workspace(z + (size_t)(row + 1) * out + col, val(ct, 1));
-                add_to_workspace(z + (size_t)(row + 1) * out + col + 8, val(ct, 3));
+                add_to_workspace<kStage>(z + (size_t)(row + 1) * out + col, val(ct, 1));
+                add_to_workspace<kStage>(z + (size_t)(row + 1) * out + col + 8, val(ct, 3));
             }
         }
     }
-    flush_as_atoms(m);
 }
 
 // The completion count of block blk: the warp adds the k rows it did (after its atomics, fenced);
@@ -630,14 +627,13 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     const int row = gr * 4 + cq;
                     if (row < m) {
                         const float base = SP ? kMul1C0 * cpart : seg_has_row0 ? kMul1C0 * cadd[gr] : 0.f;
-                        add_to_workspace(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
-                        add_to_workspace(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
+                        add_to_workspace<kInFinish>(z + (size_t)row * out + col, kMul1Inv * facc[gr][ct][0] + base);
+                        add_to_workspace<kInFinish>(z + (size_t)row * out + col + 8, kMul1Inv * facc[gr][ct][1] + base);
                     }
                 }
             }
-            flush_as_atoms(m);
         } else {
-            gv_flush_f16<NG, CT, kRawMul1>(z, acc, c_grp, m, out, lane, sacc);
+            gv_flush_f16<NG, CT, kRawMul1, kInFinish>(z, acc, c_grp, m, out, lane, sacc);
         }
     };
 

@@ -56,8 +56,9 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
 // kernel took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length
 // (250 against 248 instructions a unit, no spills): not understood, so it keeps the stage.
 // TRELLIS_LEAN_TWO_GROUPS (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the two-group
-// kernel without the stage too, as session 38 timed it; with TRELLIS_FLUSH_ATOM (exl3_gemv.cuh) it
-// tells whether that loss is the flush's REDG.
+// kernel without the stage too, as session 38 timed it. The loss is not the flush's ATOMG
+// against REDG: without the stage it took 112 us with REDG and 119 with ATOMG, with it 80-81 (16
+// rows of 8192x28672, H100, session 41).
 #ifdef TRELLIS_LEAN_TWO_GROUPS
 constexpr bool kTwoGroupsInFinish = false;
 #else
