@@ -310,6 +310,7 @@ bool debug_variant_in_build(int variant) { return debug_variant_built(variant); 
 void set_gemv_compact(int mode) { gemv_compact() = mode >= 0 && mode <= 3 ? mode : kGvCompactTwoBlocks; }
 void set_gemv_min_units(int units) { gemv_min_units() = units > 0 ? units : 1; }
 void set_gemv_grid_fill(int mode) { gemv_grid_fill() = mode >= 0 && mode <= 2 ? mode : 1; }
+void set_gemv_block_cap(int on) { gemv_block_cap() = on ? 1 : 0; }
 void set_gemv_two_row_units(int units) { gemv_two_row_units() = units > 0 ? units : 1; }
 void set_gemv_four_row_units(int units) { gemv_four_row_units() = units > 0 ? units : 0; }
 void set_gemv_lean_units(int units) { gemv_lean_units() = units > 0 ? units : 0; }

@@ -196,6 +196,35 @@ def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
 
 
 @pytest.fixture
+def block_cap():
+    """Sets whether per-warp products pad their shared memory to two blocks per SM
+    (gemv_block_cap); restores the default after."""
+    yield ops.extension().set_gemv_block_cap
+    ops.extension().set_gemv_block_cap(ops.GV_BLOCK_CAP)
+
+
+@pytest.mark.parametrize("n_in,n_out,cb", [(4096, 4096, "mul1"), (4096, 14336, "3inst"), (4096, 14336, "mul1")])
+def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
+    """The padded launch runs the same kernels on more shared memory: the products the cap can
+    change (the compact ring of a small layer, CFG 9 at 3INST's 80 registers, the two-group
+    kernel at 9..16 rows) against the reference and the unpadded launch, up to fp32 summation
+    order; and the workspaces are left zero."""
+    t = rand_layer(n_in, n_out, 4, cb, seed=61)
+    ref_w = fmt.reconstruct(t.trellis, cb)
+    for rows in (1, 6, 12, 16):
+        int8 = cb == "mul1" and rows <= 4
+        x = torch.randn(rows, n_in, device=DEV).half()
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        ys = []
+        for cap in (0, 1):
+            block_cap(cap)
+            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
+            assert rel_rms(ys[-1], ref) < 2e-3, (rows, cap, rel_rms(ys[-1], ref))
+        assert rel_rms(ys[1], ys[0]) < 1e-3, rows
+    assert workspaces_zero()
+
+
+@pytest.fixture
 def four_rows():
     """Sets from how many k-row quads per warp products take four k rows per unit; restores the
     default after the test."""

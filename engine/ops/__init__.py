@@ -132,6 +132,10 @@ GV_LEAN_GROUPS = _int_setting("TRELLIS_GV_LEAN_GROUPS", 1)
 # resident block where the cap gives between one and two per SM (Llama-3.1-8B's one-row q/k/v and
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = _int_setting("TRELLIS_GV_GRID_FILL", 1)
+# Whether per-warp products pad their shared memory so that an SM holds no more of their blocks
+# than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until measured: csrc/exl3_mm.cuh,
+# gemv_block_cap, and bench/ab_session42.sh).
+GV_BLOCK_CAP = _int_setting("TRELLIS_GV_BLOCK_CAP", 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer
@@ -227,6 +231,7 @@ def extension():
         # Fewest units per warp of the product's grid (benchmark knob; csrc/PERF_NOTES.md).
         _ext.set_gemv_min_units(_int_setting("TRELLIS_GV_MIN_UNITS", 8))
         _ext.set_gemv_grid_fill(GV_GRID_FILL)
+        _ext.set_gemv_block_cap(GV_BLOCK_CAP)
         # From how many k-row pairs per resident warp a product takes two k rows per unit
         # (TRELLIS_GV_TWO_ROW_UNITS; 8 was the default before session 10, csrc/PERF_NOTES.md).
         _ext.set_gemv_two_row_units(_int_setting("TRELLIS_GV_TWO_ROW_UNITS", 6))
