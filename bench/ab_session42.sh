@@ -5,18 +5,20 @@
 # A. TRELLIS_FLUSH_RED (A/B build): an explicit `red` in the flushes of the kernels that carry the
 #    warps' output stage (the two-group kernels, the decode chain kernels), which flush by ATOMG
 #    otherwise; every other kernel's SASS is as shipped.
-# B. TRELLIS_GV_BLOCK_CAP=1 (a runtime setting): per-warp products pad their shared memory so an
-#    SM holds at most the two blocks their grid is sized for. Hypothesis: kernels at 80 registers
-#    with rings under ~75 KB (the compact ring, CFG 9 at 3INST / MCG, the two-group kernel without
-#    its stage: TRELLIS_LEAN_TWO_GROUPS) fit three blocks, and the scheduler packs the 2 x SMs grid
-#    three to an SM, idling a third of them: the stage-less two-group kernel's 112 against 80 us.
-#    If lean2 + cap is as fast as base (or faster: the dead stage cost other kernels 1-11%), the
-#    hypothesis holds and the two-group kernel can drop its stage.
+# B. TRELLIS_GV_BLOCK_CAP=1 (a runtime setting): products pad their shared memory so an SM holds
+#    at most the two blocks their grid is sized for (per-warp and block-shared kernels).
+#    Hypothesis: kernels at 80 registers with rings under ~75 KB (the compact ring, CFG 9 at 3INST /
+#    MCG, the block-shared kernel's two-tile form, the two-group kernel without its stage:
+#    TRELLIS_LEAN_TWO_GROUPS) fit three blocks, and the scheduler packs the 2 x SMs grid three to
+#    an SM, idling a third of them: the stage-less two-group kernel's 112 against 80 us. If lean2 +
+#    cap is as fast as base (or faster: the dead stage cost other kernels 1-11%), the hypothesis
+#    holds and the two-group kernel can drop its stage.
 # 1. Four builds at once: base, red, lean2 (shipped) and red with the debug variants (for tests).
 # 2. The GPU suite on the red debug build (includes test_block_cap_gives_the_same_product).
-# 3. bench.linear, K = 4, MUL1 and 3INST, 6 / 12 / 16 rows of the mid-size layers (compact ring,
-#    CFG 9, two-group kernel) and one row of 8192x28672 (a control), one process per setting, two
-#    passes: base, base + cap, lean2, lean2 + cap, red.
+# 3. bench.linear, K = 4, MUL1 and 3INST, 6 / 12 / 16 / 32 rows of the mid-size layers (compact
+#    ring, CFG 9, two-group kernel, the block-shared kernel's two-tile form) and 1 / 16 rows of
+#    8192x28672 (controls: 128 and 96 registers), one process per setting, two passes: base,
+#    base + cap, lean2, lean2 + cap, red.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 # gpu_common.sh's cache, set before the background builds start (session 41's script built its red
 # kernels into the default cache, and its tests built them again).
@@ -41,7 +43,7 @@ for pass in 1 2; do
   for b in base cap lean2 lean2cap red; do
     echo "== products, $b, pass $pass $(el)s" | tee -a $L
     TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 90 python3 -m bench.linear --timing graph --cache cold \
-      --calls 40 --warmup 5 --K 4 --codebook mul1 3inst --paths fused --shapes 4096x14336 14336x4096 4096x4096 --m 6 12 16 \
+      --calls 40 --warmup 5 --K 4 --codebook mul1 3inst --paths fused --shapes 4096x14336 14336x4096 4096x4096 --m 6 12 16 32 \
       2>&1 | python3 -c "$SUM" | grep -v '^{' | sed "s/^/$b /" | tee -a $L
     TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 60 python3 -m bench.linear --timing graph --cache cold \
       --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused --shapes 8192x28672 --m 1 16 2>&1 | python3 -c "$SUM" \

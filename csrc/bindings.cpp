@@ -820,7 +820,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "every resident block for a product grid the min-units cap leaves short: 0 never, 1 (default) where it "
           "has more blocks than SMs, 2 always");
     m.def("set_gemv_block_cap", &trellis::set_gemv_block_cap,
-          "per-warp products pad their shared memory so an SM holds no more blocks than their grid is sized for (default 0: no)");
+          "products pad their shared memory so an SM holds no more blocks than their grid is sized for (default 0: no)");
     m.def("set_gemv_four_row_units", &trellis::set_gemv_four_row_units,
           "k-row quads per resident warp from which a product takes four k rows per unit (0: never)");
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,

@@ -471,7 +471,11 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    const size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
+    size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
+    if (gemv_block_cap()) {  // the grid is sized for two blocks per SM (sa_grid's target)
+        const SmemLimits lim = device_smem_limits();
+        smem = gv_capped_smem(smem, 2, lim.per_sm, lim.per_block, lim.reserved);
+    }
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.

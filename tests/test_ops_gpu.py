@@ -197,7 +197,7 @@ def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
 
 @pytest.fixture
 def block_cap():
-    """Sets whether per-warp products pad their shared memory to two blocks per SM
+    """Sets whether products pad their shared memory to two blocks per SM
     (gemv_block_cap); restores the default after."""
     yield ops.extension().set_gemv_block_cap
     ops.extension().set_gemv_block_cap(ops.GV_BLOCK_CAP)
@@ -207,11 +207,12 @@ def block_cap():
 def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
     """The padded launch runs the same kernels on more shared memory: the products the cap can
     change (the compact ring of a small layer, CFG 9 at 3INST's 80 registers, the two-group
-    kernel at 9..16 rows) against the reference and the unpadded launch, up to fp32 summation
-    order; and the workspaces are left zero."""
+    kernel at 9..16 rows, the block-shared kernel's two-tile form at 25..32) against the
+    reference and the unpadded launch, up to fp32 summation order; and the workspaces are left
+    zero."""
     t = rand_layer(n_in, n_out, 4, cb, seed=61)
     ref_w = fmt.reconstruct(t.trellis, cb)
-    for rows in (1, 6, 12, 16):
+    for rows in (1, 6, 12, 16, 32):
         int8 = cb == "mul1" and rows <= 4
         x = torch.randn(rows, n_in, device=DEV).half()
         ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)

@@ -132,8 +132,8 @@ GV_LEAN_GROUPS = _int_setting("TRELLIS_GV_LEAN_GROUPS", 1)
 # resident block where the cap gives between one and two per SM (Llama-3.1-8B's one-row q/k/v and
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = _int_setting("TRELLIS_GV_GRID_FILL", 1)
-# Whether per-warp products pad their shared memory so that an SM holds no more of their blocks
-# than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until measured: csrc/exl3_mm.cuh,
+# Whether products (per-warp and block-shared kernels) pad their shared memory so that an SM
+# holds no more of their blocks than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until measured: csrc/exl3_mm.cuh,
 # gemv_block_cap, and bench/ab_session42.sh).
 GV_BLOCK_CAP = _int_setting("TRELLIS_GV_BLOCK_CAP", 0)
 
