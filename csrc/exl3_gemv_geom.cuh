@@ -58,7 +58,9 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
 // TRELLIS_LEAN_TWO_GROUPS (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the two-group
 // kernel without the stage too, as session 38 timed it. The loss is not the flush's ATOMG
 // against REDG: without the stage it took 112 us with REDG and 119 with ATOMG, with it 80-81 (16
-// rows of 8192x28672, H100, session 41).
+// rows of 8192x28672, H100, session 41). Perhaps occupancy: without the stage it has 80
+// registers, so three of its 64 KB blocks fit an SM against the grid's two (exl3_mm.cuh,
+// gemv_block_cap; not yet measured).
 #ifdef TRELLIS_LEAN_TWO_GROUPS
 constexpr bool kTwoGroupsInFinish = false;
 #else
