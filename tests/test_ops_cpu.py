@@ -291,5 +291,5 @@ def test_an_empty_integer_setting_keeps_its_default(monkeypatch):
     monkeypatch.delenv("TRELLIS_GV_WGMMA")
     assert ops._int_setting("TRELLIS_GV_WGMMA", 1) == 1
     monkeypatch.setenv("TRELLIS_GV_WGMMA", "yes")
-    with pytest.raises(ValueError, match="TRELLIS_GV_WGMMA must be an integer, not 'yes'"):
+    with pytest.raises(TrellisError, match="TRELLIS_GV_WGMMA must be an integer, not 'yes'"):
         ops._int_setting("TRELLIS_GV_WGMMA", 1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.errors import TrellisError, first_line
+from engine.errors import ConfigError, TrellisError, first_line
 from engine.formats import exl3 as _fmt
 from engine.ops import chain as _chain
 from engine.ops import dense_mlp as _dense_mlp
@@ -26,16 +26,18 @@ from engine.ops.token_pick import argmax, sample_top, sample_top_available, topk
 from engine.ops.open_sums import OpenSums
 from engine.ops.groups import EXL3Group, can_group, join as join_linears  # noqa: F401 (re-exported)
 
+
 def _int_setting(name: str, default: int) -> int:
     """An integer knob from the environment; unset or empty means the default, so that `NAME=`
-    in a script never silently turns a feature off."""
+    in a script never silently turns a feature off. A bad value is a ConfigError, which the CLI
+    prints as one line."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, not {raw!r}") from None
+        raise ConfigError(f"{name} must be an integer, not {raw!r}") from None
 
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -133,8 +135,8 @@ GV_LEAN_GROUPS = _int_setting("TRELLIS_GV_LEAN_GROUPS", 1)
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = _int_setting("TRELLIS_GV_GRID_FILL", 1)
 # Whether products (per-warp and block-shared kernels) pad their shared memory so that an SM
-# holds no more of their blocks than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until measured: csrc/exl3_mm.cuh,
-# gemv_block_cap, and bench/ab_session42.sh).
+# holds no more of their blocks than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until
+# measured: csrc/exl3_mm.cuh, gemv_block_cap, and bench/ab_session42.sh).
 GV_BLOCK_CAP = _int_setting("TRELLIS_GV_BLOCK_CAP", 0)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
