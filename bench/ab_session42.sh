@@ -1,6 +1,7 @@
 #!/bin/bash
 # For the session after 41 (written in session 41, not yet run), on whatever card comes; carry
-# .devcarry/shared. ~420 s; then bench/ab_session42b.sh (decode) on the same warm machine.
+# .devcarry/shared. ~480 s (four builds at once: ~200 s); then bench/ab_session42b.sh (decode) on
+# the same warm machine.
 # Two questions about the per-warp products (csrc/PERF_NOTES.md, session 41):
 # A. TRELLIS_FLUSH_RED (A/B build): an explicit `red` in the flushes of the kernels that carry the
 #    warps' output stage (the two-group kernels, the decode chain kernels), which flush by ATOMG
