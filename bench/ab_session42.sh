@@ -8,18 +8,18 @@
 #    otherwise; every other kernel's SASS is as shipped.
 # B. TRELLIS_GV_BLOCK_CAP=1 (a runtime setting): products pad their shared memory so an SM holds
 #    at most the two blocks their grid is sized for (per-warp and block-shared kernels).
-#    Hypothesis: kernels at 80 registers with rings under ~75 KB (the compact ring, CFG 9 at 3INST /
-#    MCG, the block-shared kernel's two-tile form, the two-group kernel without its stage:
-#    TRELLIS_LEAN_TWO_GROUPS) fit three blocks, and the scheduler packs the 2 x SMs grid three to
-#    an SM, idling a third of them: the stage-less two-group kernel's 112 against 80 us. If lean2 +
-#    cap is as fast as base (or faster: the dead stage cost other kernels 1-11%), the hypothesis
-#    holds and the two-group kernel can drop its stage.
+#    Hypothesis: kernels at 80 registers with rings under ~75 KB (the compact ring, CFG 9 at
+#    3INST / MCG, the two-group kernel without its stage: TRELLIS_LEAN_TWO_GROUPS) fit three
+#    blocks, and the scheduler packs the 2 x SMs grid three to an SM, idling a third of them: the
+#    stage-less two-group kernel's 112 against 80 us. If lean2 + cap is as fast as base (or
+#    faster: the dead stage cost other kernels 1-11%), the hypothesis holds and the two-group
+#    kernel can drop its stage.
 # 1. Four builds at once: base, red, lean2 (shipped) and red with the debug variants (for tests).
 # 2. The GPU suite on the red debug build (includes test_block_cap_gives_the_same_product).
 # 3. bench.linear, K = 4, MUL1 and 3INST, 6 / 12 / 16 / 32 rows of the mid-size layers (compact
-#    ring, CFG 9, two-group kernel, the block-shared kernel's two-tile form) and 1 / 16 rows of
-#    8192x28672 (controls: 128 and 96 registers), one process per setting, two passes: base,
-#    base + cap, lean2, lean2 + cap, red.
+#    ring, CFG 9, two-group kernel; at 32 rows the block-shared kernel, a control at 112 KB) and
+#    1 / 16 rows of 8192x28672 (controls: 128 and 96 registers), one process per setting, two
+#    passes: base, base + cap, lean2, lean2 + cap, red.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 # gpu_common.sh's cache, set before the background builds start (session 41's script built its red
 # kernels into the default cache, and its tests built them again).

@@ -279,8 +279,9 @@ inline long gv_blocks(long units, int minb, int num_sms) {
 // that no more blocks fit on an SM than the minb its grid is sized for (gv_capped_smem): 0
 // (default) no, 1 yes. Why: a kernel whose registers and shared memory allow a third block (80
 // registers and at most ~75 KB: the compact ring, CFG 9 at 3INST / MCG, the two-group kernel
-// without its stage, the block-shared kernel's two-tile form) gets a grid of
-// 2 x SMs that the block scheduler may pack three to an SM, leaving a third of the SMs idle. The
+// without its stage; the block-shared two-tile form only with slices of at most ~24 k rows)
+// gets a grid of 2 x SMs that the block scheduler may pack three to an SM, leaving a third of
+// the SMs idle. The
 // two-group kernel without its stage (80 registers, 64 KB) took 112 against 80 us at 16 rows of
 // 8192x28672 with it (96 registers: two blocks at most), 1.4x, about 3/2 (H100, sessions 38 and
 // 41); the hypothesis is that packing, not yet measured (bench/ab_session42.sh).

@@ -207,7 +207,7 @@ def block_cap():
 def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
     """The padded launch runs the same kernels on more shared memory: the products the cap can
     change (the compact ring of a small layer, CFG 9 at 3INST's 80 registers, the two-group
-    kernel at 9..16 rows, the block-shared kernel's two-tile form at 25..32) against the
+    kernel at 9..16 rows, and the block-shared launch at 32, which it pads too) against the
     reference and the unpadded launch, up to fp32 summation order; and the workspaces are left
     zero."""
     t = rand_layer(n_in, n_out, 4, cb, seed=61)
