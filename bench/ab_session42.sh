@@ -1,6 +1,6 @@
 #!/bin/bash
 # For the session after 41 (written in session 41, not yet run), on whatever card comes; carry
-# .devcarry/shared. ~480 s (four builds at once: ~200 s); then bench/ab_session42b.sh (decode) on
+# .devcarry/shared. ~500 s (four builds at once: ~200 s); then bench/ab_session42b.sh (decode) on
 # the same warm machine.
 # Two questions about the per-warp products (csrc/PERF_NOTES.md, session 41):
 # A. TRELLIS_FLUSH_RED (A/B build): an explicit `red` in the flushes of the kernels that carry the
@@ -14,6 +14,8 @@
 #    stage-less two-group kernel's 112 against 80 us. If lean2 + cap is as fast as base (or
 #    faster: the dead stage cost other kernels 1-11%), the hypothesis holds and the two-group
 #    kernel can drop its stage.
+# 0. bench/occupancy_probe.cu: where the scheduler puts 2 x SMs blocks that fit three to an SM
+#    (alone, and as a programmatic dependent of a short kernel), against blocks padded to two.
 # 1. Four builds at once: base, red, lean2 (shipped) and red with the debug variants (for tests).
 # 2. The GPU suite on the red debug build (includes test_block_cap_gives_the_same_product).
 # 3. bench.linear, K = 4, MUL1 and 3INST, 6 / 12 / 16 / 32 rows of the mid-size layers (compact
@@ -21,6 +23,9 @@
 #    1 / 16 rows of 8192x28672 (controls: 128 and 96 registers), one process per setting, two
 #    passes: base, base + cap, lean2, lean2 + cap, red.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
+echo "== occupancy probe" | tee -a $OUT/log.txt
+nvcc -O3 -std=c++17 -arch=sm_90 bench/occupancy_probe.cu -o /tmp/occupancy_probe && timeout 30 /tmp/occupancy_probe \
+  | tee -a $OUT/log.txt
 # gpu_common.sh's cache, set before the background builds start (session 41's script built its red
 # kernels into the default cache, and its tests built them again).
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1 TRELLIS_NVCC_DEFINES= TRELLIS_CACHE=/tmp/trellis-cache
