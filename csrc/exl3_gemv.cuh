@@ -814,11 +814,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // The grid cap (gv_blocks) counts units of two k rows for four-row units, so that CFG 10 keeps
     // the grid CFG 9 would have.
     const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
-    size_t smem = (size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4;
-    if (gemv_block_cap()) {
-        const SmemLimits lim = device_smem_limits();
-        smem = gv_capped_smem(smem, S::MINB, lim.per_sm, lim.per_block, lim.reserved);
-    }
+    const size_t smem = gv_capped_smem((size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4, S::MINB);
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
     // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;

@@ -180,6 +180,18 @@ inline SmemLimits device_smem_limits() {
             current_device_attr<cudaDevAttrReservedSharedMemoryPerBlock>()};
 }
 
+// A product launch's dynamic shared memory: smem, or under gemv_block_cap (exl3_mm.cuh) enough
+// that at most minb blocks fit on an SM (with the system's reservation per block), where the
+// device says how much an SM has and minb such blocks still fit.
+inline size_t gv_capped_smem(size_t smem, int minb) {
+    if (!gemv_block_cap() || minb <= 0) return smem;
+    const SmemLimits lim = device_smem_limits();
+    if (lim.per_sm <= 0) return smem;
+    const size_t need = ((size_t)lim.per_sm / (minb + 1) - lim.reserved + 1 + 127) / 128 * 128;
+    if (need <= smem || need > (size_t)lim.per_block || (need + lim.reserved) * minb > (size_t)lim.per_sm) return smem;
+    return need;
+}
+
 // Whether `minb` blocks of `bytes` of dynamic shared memory each fit on one SM (and one fits the
 // per-block limit). Unknown limits: yes, as before this check existed. The kernels' static shared
 // memory (256 bytes with self prep, else none) fits in what the 48 KB budget leaves of 100 KB.

@@ -37,9 +37,10 @@ namespace trellis {
 // (variant 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
 // speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four). CFG 4224
-// (variant 48, session 40, not yet run): that with wgmma, where its four fp16 MMAs a tile no longer
-// hold the warp, so the two byte-sum MMAs may pay (on a 9.0 device, 17..32 rows, four tiles a
-// unit; elsewhere variant 48 runs CFG 128).
+// (variant 48, session 40): that with wgmma, where its four fp16 MMAs a tile no longer hold the
+// warp (on a 9.0 device, 17..32 rows, four tiles a unit; elsewhere variant 48 runs CFG 128); it
+// was 8-16% slower than the shipped wgmma form at 17..32 rows and decoded 11% slower at batch 32
+// (H100, session 41).
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
 // unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
 // 37, not yet run): no MMAs for row groups without rows (the fourth at 17..24 rows), under a
@@ -471,11 +472,8 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    size_t smem = ((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4;
-    if (gemv_block_cap()) {  // the grid is sized for two blocks per SM (sa_grid's target)
-        const SmemLimits lim = device_smem_limits();
-        smem = gv_capped_smem(smem, 2, lim.per_sm, lim.per_block, lim.reserved);
-    }
+    // sa_grid sizes the grid for two blocks per SM
+    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4, 2);
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.

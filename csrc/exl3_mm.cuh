@@ -276,28 +276,18 @@ inline long gv_blocks(long units, int minb, int num_sms) {
 }
 
 // Whether a product's launch (per-warp and block-shared kernels) pads its dynamic shared memory so
-// that no more blocks fit on an SM than the minb its grid is sized for (gv_capped_smem): 0
-// (default) no, 1 yes. Why: a kernel whose registers and shared memory allow a third block (80
-// registers and at most ~75 KB: the compact ring, CFG 9 at 3INST / MCG, the two-group kernel
-// without its stage; the block-shared two-tile form only with slices of at most ~24 k rows)
-// gets a grid of 2 x SMs that the block scheduler may pack three to an SM, leaving a third of
-// the SMs idle. The
-// two-group kernel without its stage (80 registers, 64 KB) took 112 against 80 us at 16 rows of
-// 8192x28672 with it (96 registers: two blocks at most), 1.4x, about 3/2 (H100, sessions 38 and
-// 41); the hypothesis is that packing, not yet measured (bench/ab_session42.sh).
+// that no more blocks fit on an SM than the minb its grid is sized for (exl3_gemv_geom.cuh,
+// gv_capped_smem): 0 (default) no, 1 yes. Why: a kernel whose registers and shared memory allow
+// a third block (80 registers and at most ~75 KB: the compact ring, CFG 9 at 3INST / MCG, the
+// two-group kernel without its stage; the block-shared two-tile form only with slices of at most
+// ~24 k rows) gets a grid of 2 x SMs that the block scheduler may pack three to an SM, leaving a
+// third of the SMs idle. The two-group kernel without its stage (80 registers, 64 KB) took 112
+// against 80 us at 16 rows of 8192x28672 with it (96 registers: two blocks at most), 1.4x, about
+// 3/2 (H100, sessions 38 and 41); the hypothesis is that packing, not yet measured
+// (bench/ab_session42.sh).
 inline int& gemv_block_cap() {
     static int v = 0;
     return v;
-}
-
-// Dynamic shared memory of a block that leaves room for at most minb blocks per SM (with the
-// system's reservation per block), where the device says how much an SM has and minb such
-// blocks still fit; smem itself otherwise.
-inline size_t gv_capped_smem(size_t smem, int minb, int per_sm, int per_block, int reserved) {
-    if (per_sm <= 0 || minb <= 0) return smem;
-    const size_t need = ((size_t)per_sm / (minb + 1) - reserved + 1 + 127) / 128 * 128;
-    if (need <= smem || need > (size_t)per_block || (need + reserved) * minb > (size_t)per_sm) return smem;
-    return need;
 }
 
 // Version-3 launcher: a one-group product (1..8 rows) takes four k rows per unit (CFG 10) when it has at
