@@ -39,7 +39,7 @@ namespace trellis {
 // (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four). CFG 4224
 // (variant 48, session 40): that with wgmma, where its four fp16 MMAs a tile no longer hold the
 // warp (on a 9.0 device, 17..32 rows, four tiles a unit; elsewhere variant 48 runs CFG 128); it
-// was 8-16% slower than the shipped wgmma form at 17..32 rows and decoded 11% slower at batch 32
+// was 8-19% slower than the shipped wgmma form at 17..32 rows and decoded 11% slower at batch 32
 // (H100, session 41).
 // CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
 // unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
