@@ -1,4 +1,8 @@
 #!/bin/bash
+# RUN in session 42 (H100; csrc/PERF_NOTES.md) and kept as its record: its macros are gone since
+# (TRELLIS_FLUSH_RED and TRELLIS_LEAN_TWO_GROUPS are the shipped forms now, the block cap the
+# default), so today it would time one build under several names. bench/ab_session42c.sh compares
+# against the earlier forms.
 # For the session after 41 (written in session 41, not yet run), on whatever card comes; carry
 # .devcarry/shared. ~500 s (four builds at once: ~200 s); then bench/ab_session42b.sh (decode) on
 # the same warm machine.

@@ -1,4 +1,8 @@
 #!/bin/bash
+# RUN in session 42 (H100; csrc/PERF_NOTES.md) and kept as its record: its macros are gone since
+# (TRELLIS_FLUSH_RED and TRELLIS_LEAN_TWO_GROUPS are the shipped forms now, the block cap the
+# default), so today it would time one build under several names. bench/ab_session42c.sh compares
+# against the earlier forms.
 # The decode half of bench/ab_session42.sh (written in session 41, not yet run): run it right after
 # that script on the same warm machine (its builds are then cached; cold, it builds base and red
 # again, ~120 s more). Carry .devcarry/shared. ~330 s warm.

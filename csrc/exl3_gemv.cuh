@@ -197,18 +197,21 @@ __device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
 
 // The split products' atomics into z. ptxas makes an atomic whose result is unused a REDG (no
 // answer from the L2) unless a fence may follow it; the kernels that carry the warps' output
-// stage (gv_in_finish: the two-group kernels, the decode chain kernels) have that fence and so
-// flush by ATOMG, although split products never run the stage. ATOMG costs: every flush as ATOMG
-// made 8 rows of 8192x28672 13% slower and 32 rows 38% (H100, session 41's A/B build, since
-// removed). TRELLIS_FLUSH_RED (an A/B build, TRELLIS_NVCC_DEFINES in engine/ops/build.py) writes
-// the stage-carrying kernels' flushes as an explicit `red`, a REDG although a fence may follow;
-// the PTX memory model orders it before the completion count's release fence like any write.
-// Only those kernels: an inline-asm `red` everywhere also renumbered the registers of kernels
-// that already flushed by REDG (session 41).
-#ifdef TRELLIS_FLUSH_RED
-constexpr bool kFlushRed = true;
-#else
+// stage (gv_in_finish: the decode chain kernels, the debug variants off the shipped schedule)
+// have that fence and so flushed by ATOMG until session 42, although split products never run the
+// stage. ATOMG costs: every flush as ATOMG made 8 rows of 8192x28672 13% slower and 32 rows 38%
+// (H100, session 41's A/B build, since removed). So the stage-carrying kernels write each flushed
+// sum as an explicit `red`, a REDG although a fence may follow; the PTX memory model orders it
+// before the completion count's release fence like any write. Measured (H100, session 42, while
+// the two-group kernels still carried the stage): 12 and 16 rows of mid-size layers 1.6-8% faster,
+// decode at batch 12 / 16 +2-3%, batch 1 417.0 / 399.9 against 419.1 / 416.6 tok/s. Only those
+// kernels: an inline-asm `red` everywhere also renumbered the registers of kernels that already
+// flushed by REDG (session 41). TRELLIS_FLUSH_ATOMIC (an A/B build, TRELLIS_NVCC_DEFINES in
+// engine/ops/build.py): atomicAdd there too, as shipped until session 42.
+#ifdef TRELLIS_FLUSH_ATOMIC
 constexpr bool kFlushRed = false;
+#else
+constexpr bool kFlushRed = true;
 #endif
 
 // kStage: the kernel carries the warps' output stage (gv_in_finish).

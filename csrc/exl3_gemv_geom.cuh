@@ -48,23 +48,24 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
            var == kGvVarInFinish;
 }
 // Whether a per-warp kernel has its warps' output stage (the warp that completes a 128-column block
-// transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug variants
-// off the shipped schedule; kGvVarInFinish), and the two-group kernels (9..16 rows). Why: in the
-// split products, where it never runs, its code cost time. Without it (H100, session 38,
-// csrc/PERF_NOTES.md): one row 1-5% faster, 8 rows 2-11%, 32 rows of 4096x6144 10%, batch-1 decode
-// 2.3%, and the block-shared kernel at 32 rows of 8192x28672 8% (kSaInFinish). But the two-group
-// kernel took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length
-// (250 against 248 instructions a unit, no spills): not understood, so it keeps the stage.
-// TRELLIS_LEAN_TWO_GROUPS (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the two-group
-// kernel without the stage too, as session 38 timed it. The loss is not the flush's ATOMG
-// against REDG: without the stage it took 112 us with REDG and 119 with ATOMG, with it 80-81 (16
-// rows of 8192x28672, H100, session 41). Perhaps occupancy: without the stage it has 80
-// registers, so three of its 64 KB blocks fit an SM against the grid's two (exl3_mm.cuh,
-// gemv_block_cap; not yet measured).
-#ifdef TRELLIS_LEAN_TWO_GROUPS
-constexpr bool kTwoGroupsInFinish = false;
-#else
+// transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug
+// variants off the shipped schedule; kGvVarInFinish). Why: in the split products, where it never
+// runs, its code cost time. Without it (H100, session 38, csrc/PERF_NOTES.md): one row 1-5% faster,
+// 8 rows 2-11%, 32 rows of 4096x6144 10%, batch-1 decode 2.3%, and the block-shared kernel at 32
+// rows of 8192x28672 8% (kSaInFinish). The two-group kernel (9..16 rows) kept it until session 42:
+// it took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length (250
+// against 248 instructions a unit, no spills). Why (H100, session 42): without the stage it has 80
+// registers, so three of its 64 KB blocks fit an SM, and a 2 x SMs grid launched as a programmatic
+// dependent (every product: after its prep or finish kernel) is packed three to an SM on 99 SMs, 33
+// idle (bench/occupancy_probe.cu). With products padded to two blocks an SM (gemv_block_cap,
+// exl3_mm.cuh) the two-group kernel runs without the stage: 12 and 16 rows of 4096x14336,
+// 14336x4096 and 4096x4096 (MUL1 and 3INST) 4.6-11.5% faster than with it.
+// TRELLIS_TWO_GROUP_STAGE (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the stage
+// back in, as shipped until session 42, to measure against.
+#ifdef TRELLIS_TWO_GROUP_STAGE
 constexpr bool kTwoGroupsInFinish = true;
+#else
+constexpr bool kTwoGroupsInFinish = false;
 #endif
 __host__ __device__ constexpr bool gv_in_finish(int var, bool ch, int ng) {
     return ch || (kTwoGroupsInFinish && ng == 2) || !gv_shipped_schedule(var) || var == kGvVarInFinish;

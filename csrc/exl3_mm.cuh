@@ -277,16 +277,18 @@ inline long gv_blocks(long units, int minb, int num_sms) {
 
 // Whether a product's launch (per-warp and block-shared kernels) pads its dynamic shared memory so
 // that no more blocks fit on an SM than the minb its grid is sized for (exl3_gemv_geom.cuh,
-// gv_capped_smem): 0 (default) no, 1 yes. Why: a kernel whose registers and shared memory allow
-// a third block (80 registers and at most ~75 KB: the compact ring, CFG 9 at 3INST / MCG, the
-// two-group kernel without its stage; the block-shared two-tile form only with slices of at most
-// ~24 k rows) gets a grid of 2 x SMs that the block scheduler may pack three to an SM, leaving a
-// third of the SMs idle. The two-group kernel without its stage (80 registers, 64 KB) took 112
-// against 80 us at 16 rows of 8192x28672 with it (96 registers: two blocks at most), 1.4x, about
-// 3/2 (H100, sessions 38 and 41); the hypothesis is that packing, not yet measured
-// (bench/ab_session42.sh).
+// gv_capped_smem): 1 (default) yes, 0 no. Why: a kernel whose registers and shared memory allow a
+// third block (80 registers and at most ~75 KB: the compact ring, CFG 9 at 3INST / MCG, the
+// four-group kernel at K >= 5, the two-group kernel; the block-shared two-tile form only with
+// slices of at most ~24 k rows) gets a grid of 2 x SMs, and launched as a programmatic dependent
+// (as products are) the block scheduler packs it three to an SM on three quarters of the SMs,
+// leaving the rest idle (bench/occupancy_probe.cu, H100, session 42: 99 of 132 SMs used; alone,
+// or padded, the grid spreads two to an SM). Measured (H100, session 42, bench/ab_session42.sh):
+// 6 / 12 / 16 / 32 rows of the mid-size layers and 1 / 16 of 8192x28672 within -1.7..+0.6% of
+// uncapped; batch-1 decode 400.3 / 405.4 against 406.1 / 414.5 tok/s capped; and it lets the
+// two-group kernel drop its output stage (exl3_gemv_geom.cuh, kTwoGroupsInFinish).
 inline int& gemv_block_cap() {
-    static int v = 0;
+    static int v = 1;
     return v;
 }
 

@@ -202,7 +202,7 @@ void set_gemv_min_units(int units);
 // block: 0 never, 1 (default) where it has more blocks than SMs, 2 always.
 void set_gemv_grid_fill(int mode);
 // Whether products (per-warp and block-shared kernels) pad their shared memory to hold an SM at
-// the blocks their grid is sized for (exl3_mm.cuh, gemv_block_cap): 0 (default) no, 1 yes.
+// the blocks their grid is sized for (exl3_mm.cuh, gemv_block_cap): 1 (default) yes, 0 no.
 void set_gemv_block_cap(int on);
 void set_gemv_two_row_units(int units);
 void set_gemv_four_row_units(int units);  // 0: never four k rows per unit

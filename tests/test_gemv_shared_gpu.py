@@ -336,9 +336,10 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
     """Split products (the default) run kernels built without their warps' output stage; unsplit
     ones (split-finish setting 0, which needs a debug build) take the forms that have it: the
     per-warp kernel's debug-variant-47 instantiation, the block-shared kernel's kSaInFinish
-    (CFG 2048) one. The per-warp kernel's two-group form (9..16 rows) keeps the stage, so it
-    serves both. Debug variants 47 and 46 (those forms run split: the baselines of the change)
-    give the shipped product; every form gives the reference's."""
+    (CFG 2048) one. Since session 42 that holds for the per-warp kernel's two-group form (9..16
+    rows) too, which until then kept the stage and served both. Debug variants 47 and 46 (those
+    forms run split: the baselines of the change) give the shipped product; every form gives the
+    reference's."""
     ext = ops.extension()
     t = rand_layer(4096, 14336, 4, "mul1", seed=900 + rows, bias=True)  # block-shared at 17..32 rows
     x = torch.randn(rows, 4096, device=DEV).half()
@@ -363,8 +364,7 @@ def test_output_stage_in_the_warps_only_where_a_product_runs_unsplit(rows):
         ext.set_gemv_split_finish(0)
         names = kernels_run(run, "")
         per_warp, sa = forms(names)
-        unsplit_var = "0" if 9 <= rows <= 16 else str(IN_FINISH_PER_WARP)
-        assert per_warp in ([], [unsplit_var]) and all(c & SA_IN_FINISH for c in sa), names
+        assert per_warp in ([], [str(IN_FINISH_PER_WARP)]) and all(c & SA_IN_FINISH for c in sa), names
         assert not any("gv_finish_kernel" in n for n in names)
         y_warps = run()
     finally:

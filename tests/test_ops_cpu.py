@@ -205,10 +205,10 @@ def test_ab_defines_make_a_build_of_their_own(monkeypatch):
     monkeypatch.delenv("TRELLIS_NVCC_DEFINES", raising=False)
     plain_flags, plain = build.nvcc_flags(["90"]), build.cache_dir("90")
     assert not any(f.startswith("-DTRELLIS_FLUSH") for f in plain_flags)
-    monkeypatch.setenv("TRELLIS_NVCC_DEFINES", "TRELLIS_FLUSH_RED, TRELLIS_LEAN_TWO_GROUPS")
+    monkeypatch.setenv("TRELLIS_NVCC_DEFINES", "TRELLIS_FLUSH_ATOMIC, TRELLIS_TWO_GROUP_STAGE")
     flags = build.nvcc_flags(["90"])
-    assert "-DTRELLIS_FLUSH_RED" in flags and "-DTRELLIS_LEAN_TWO_GROUPS" in flags
-    assert build.cache_dir("90").name == plain.name + "-flush_red-lean_two_groups"
+    assert "-DTRELLIS_FLUSH_ATOMIC" in flags and "-DTRELLIS_TWO_GROUP_STAGE" in flags
+    assert build.cache_dir("90").name == plain.name + "-flush_atomic-two_group_stage"
     for bad in ("TRELLIS_X=1", "-O0", "trellis_flush_atom", "OTHER_MACRO", "TRELLIS_X;rm"):
         monkeypatch.setenv("TRELLIS_NVCC_DEFINES", bad)
         with pytest.raises(build.KernelBuildError, match="TRELLIS_NVCC_DEFINES"):

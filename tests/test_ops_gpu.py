@@ -167,11 +167,20 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
     assert workspaces_zero()
 
 
-@pytest.fixture
-def grid_fill():
-    """Sets how a product's grid meets the SM count (gemv_grid_fill); restores the default after."""
-    yield ops.extension().set_gemv_grid_fill
-    ops.extension().set_gemv_grid_fill(ops.GV_GRID_FILL)
+def extension_setting(name, setter, default):
+    """A fixture that hands a test one of the extension's launch settings and puts the default
+    back after it, pass or fail, so no later test runs under a changed setting."""
+    @pytest.fixture(name=name)
+    def fixture():
+        set_value = getattr(ops.extension(), setter)
+        yield set_value
+        set_value(getattr(ops, default))
+    return fixture
+
+
+grid_fill = extension_setting("grid_fill", "set_gemv_grid_fill", "GV_GRID_FILL")  # gemv_grid_fill
+block_cap = extension_setting("block_cap", "set_gemv_block_cap", "GV_BLOCK_CAP")  # two blocks per SM
+four_rows = extension_setting("four_rows", "set_gemv_four_row_units", "FOUR_ROW_UNITS")
 
 
 @pytest.mark.parametrize("n_in,n_out", [(4096, 6144), (14336, 4096), (1024, 1536)])
@@ -195,21 +204,13 @@ def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
     assert workspaces_zero()
 
 
-@pytest.fixture
-def block_cap():
-    """Sets whether products pad their shared memory to two blocks per SM
-    (gemv_block_cap); restores the default after."""
-    yield ops.extension().set_gemv_block_cap
-    ops.extension().set_gemv_block_cap(ops.GV_BLOCK_CAP)
-
-
 @pytest.mark.parametrize("n_in,n_out,cb", [(4096, 4096, "mul1"), (4096, 14336, "3inst"), (4096, 14336, "mul1")])
 def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
-    """The padded launch runs the same kernels on more shared memory: the products the cap can
-    change (the compact ring of a small layer, CFG 9 at 3INST's 80 registers, the two-group
-    kernel at 9..16 rows, and the block-shared launch at 32, which it pads too) against the
-    reference and the unpadded launch, up to fp32 summation order; and the workspaces are left
-    zero."""
+    """The padded launch (the default since session 42) runs the same kernels on more shared
+    memory: the products the cap can change (the compact ring of a small layer, CFG 9 at 3INST's
+    80 registers, the two-group kernel at 9..16 rows, and the block-shared launch at 32, which it
+    pads too) against the reference and the unpadded launch, up to fp32 summation order; and the
+    workspaces are left zero."""
     t = rand_layer(n_in, n_out, 4, cb, seed=61)
     ref_w = fmt.reconstruct(t.trellis, cb)
     for rows in (1, 6, 12, 16, 32):
@@ -223,14 +224,6 @@ def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
             assert rel_rms(ys[-1], ref) < 2e-3, (rows, cap, rel_rms(ys[-1], ref))
         assert rel_rms(ys[1], ys[0]) < 1e-3, rows
     assert workspaces_zero()
-
-
-@pytest.fixture
-def four_rows():
-    """Sets from how many k-row quads per warp products take four k rows per unit; restores the
-    default after the test."""
-    yield ops.extension().set_gemv_four_row_units
-    ops.extension().set_gemv_four_row_units(ops.FOUR_ROW_UNITS)
 
 
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])

@@ -135,9 +135,9 @@ GV_LEAN_GROUPS = _int_setting("TRELLIS_GV_LEAN_GROUPS", 1)
 # down projection), 2 every resident block always (csrc/exl3_mm.cuh, gemv_grid_fill).
 GV_GRID_FILL = _int_setting("TRELLIS_GV_GRID_FILL", 1)
 # Whether products (per-warp and block-shared kernels) pad their shared memory so that an SM
-# holds no more of their blocks than the grid is sized for (TRELLIS_GV_BLOCK_CAP=1; default 0 until
-# measured: csrc/exl3_mm.cuh, gemv_block_cap, and bench/ab_session42.sh).
-GV_BLOCK_CAP = _int_setting("TRELLIS_GV_BLOCK_CAP", 0)
+# holds no more of their blocks than the grid is sized for (TRELLIS_GV_BLOCK_CAP, default 1; 0 lets
+# the block scheduler pack three to an SM where they fit: csrc/exl3_mm.cuh, gemv_block_cap).
+GV_BLOCK_CAP = _int_setting("TRELLIS_GV_BLOCK_CAP", 1)
 
 # A norm over a norm (Gemma's post-attention or post-feedforward norm, then the residual add and
 # the next pre-norm; PendingNorm.pre_weight) computed in one decode prep: one norm kernel fewer

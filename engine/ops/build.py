@@ -38,7 +38,7 @@ def debug_variants() -> bool:
 
 def ab_defines() -> list[str]:
     """TRELLIS_NVCC_DEFINES="NAME ...": macros for a benchmark's A/B build (csrc/ kernels in a form
-    that ships nowhere, e.g. TRELLIS_FLUSH_RED), each compiled as -DNAME into a cache entry of its
+    that ships nowhere, e.g. TRELLIS_FLUSH_ATOMIC), each compiled as -DNAME into a cache entry of its
     own, so that alternating processes can time two builds. Names only, upper case: a value or an
     option here would be a way to pass anything to nvcc."""
     names = os.environ.get("TRELLIS_NVCC_DEFINES", "").replace(",", " ").split()
