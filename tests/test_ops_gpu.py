@@ -181,6 +181,7 @@ def extension_setting(name, setter, default):
 grid_fill = extension_setting("grid_fill", "set_gemv_grid_fill", "GV_GRID_FILL")  # gemv_grid_fill
 block_cap = extension_setting("block_cap", "set_gemv_block_cap", "GV_BLOCK_CAP")  # two blocks per SM
 four_rows = extension_setting("four_rows", "set_gemv_four_row_units", "FOUR_ROW_UNITS")
+finish_spread = extension_setting("finish_spread", "set_finish_spread", "FINISH_SPREAD")
 
 
 @pytest.mark.parametrize("n_in,n_out", [(4096, 6144), (14336, 4096), (1024, 1536)])
@@ -222,6 +223,27 @@ def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
             block_cap(cap)
             ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
             assert rel_rms(ys[-1], ref) < 2e-3, (rows, cap, rel_rms(ys[-1], ref))
+        assert rel_rms(ys[1], ys[0]) < 1e-3, rows
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("n_in,n_out", [(4096, 4096), (1024, 14336)])
+def test_finish_spread_gives_the_same_product(n_in, n_out, finish_spread):
+    """Split products' finish kernels with and without the padding that spreads a small grid one
+    block to an SM (set_finish_spread): 4096 columns are a grid of 4 blocks at one row, 14,336 of
+    14 (fewer than the SMs of any GPU the products tune for), at 1 and 4 rows on the integer path and
+    8 and 16 on the fp16 path, against the reference and each other (up to fp32 summation order);
+    and the workspaces are left zero."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=67, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    for rows in (1, 4, 8, 16):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        ys = []
+        for spread in (0, 1):
+            finish_spread(spread)
+            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=rows <= 4, version=3))
+            assert rel_rms(ys[-1], ref) < 2e-3, (rows, spread, rel_rms(ys[-1], ref))
         assert rel_rms(ys[1], ys[0]) < 1e-3, rows
     assert workspaces_zero()
 
