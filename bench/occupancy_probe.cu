@@ -13,13 +13,14 @@
 // two-group ring) or two (the padding of TRELLIS_GV_BLOCK_CAP=1, 76,928 bytes); launched alone,
 // or as a programmatic dependent of a short kernel that holds a quarter of the SMs (as a product
 // follows its prep kernel).
-// Session 42 (H100): alone, two to an SM; as a dependent, three to an SM on 99 SMs and none on the
-// 33 the short kernel held. So products pad their shared memory to two blocks (gemv_block_cap).
+// Session 42 (H100): alone, two to an SM; as a dependent, three on 66 SMs, two on 33 and none on 33
+// (as many as the short kernel's blocks). So products pad their shared memory to two blocks
+// (gemv_block_cap).
 //
-// Second part ("small" lines; written in session 42, not yet run): a small dependent grid (4 / 6 /
-// 14 / 32 blocks of 8 warps, the finish kernels' grids at batch 1 of Llama-3.1-8B) after a kernel
-// that fills every SM and leaves them at staggered times, as a decode product does before its
-// finish kernel. If the scheduler puts a dependent's blocks wherever room opens first, several land
+// Second part ("small" lines; written in session 42, not yet run): a small dependent grid (4, 6
+// and 14 blocks of 8 warps, the chain finish kernels' grids at batch 1 of Llama-3.1-8B, and 32)
+// after a kernel that fills every SM and leaves them at staggered times, as a decode product does
+// before its finish kernel. If the scheduler puts a dependent's blocks wherever room opens first, several land
 // on the first SM to free up and share its four schedulers, while other SMs stand idle. Padded
 // ("one_per_sm", the TRELLIS_FINISH_SPREAD=1 launch), one block fits an SM.
 //   nvcc -O3 -std=c++17 -arch=sm_90 bench/occupancy_probe.cu -o /tmp/occupancy_probe

@@ -203,11 +203,12 @@ __device__ __forceinline__ void gv_mul1_row_sum(float (&sacc)[4], uint2 b) {
 // (H100, session 41's A/B build, since removed). So the stage-carrying kernels write each flushed
 // sum as an explicit `red`, a REDG although a fence may follow; the PTX memory model orders it
 // before the completion count's release fence like any write. Measured (H100, session 42, while
-// the two-group kernels still carried the stage): 12 and 16 rows of mid-size layers 1.6-8% faster,
-// decode at batch 12 / 16 +2-3%, batch 1 417.0 / 399.9 against 419.1 / 416.6 tok/s. Only those
-// kernels: an inline-asm `red` everywhere also renumbered the registers of kernels that already
-// flushed by REDG (session 41). TRELLIS_FLUSH_ATOMIC (an A/B build, TRELLIS_NVCC_DEFINES in
-// engine/ops/build.py): atomicAdd there too, as shipped until session 42.
+// the two-group kernels still carried the stage): 12 and 16 rows of mid-size layers 0.8-8.3%
+// faster, decode at batch 12 / 16 +1.8-3.0%, batch 1 417.0 / 399.9 against 419.1 / 416.6 tok/s
+// (two passes each). Only those kernels: an inline-asm `red` everywhere also renumbered the
+// registers of kernels that already flushed by REDG (session 41). TRELLIS_FLUSH_ATOMIC (an A/B
+// build, TRELLIS_NVCC_DEFINES in engine/ops/build.py): atomicAdd there too, as shipped until
+// session 42.
 #ifdef TRELLIS_FLUSH_ATOMIC
 constexpr bool kFlushRed = false;
 #else

@@ -56,8 +56,8 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
 // it took 112 us against 81 at 16 rows of 8192x28672 without it, its main loop the same length (250
 // against 248 instructions a unit, no spills). Why (H100, session 42): without the stage it has 80
 // registers, so three of its 64 KB blocks fit an SM, and a 2 x SMs grid launched as a programmatic
-// dependent (every product: after its prep or finish kernel) is packed three to an SM on 99 SMs, 33
-// idle (bench/occupancy_probe.cu). With products padded to two blocks an SM (gemv_block_cap,
+// dependent (every product: after its prep or finish kernel) is packed three to an SM on 66 SMs,
+// two on 33, none on 33 (bench/occupancy_probe.cu). With products padded to two blocks an SM (gemv_block_cap,
 // exl3_mm.cuh) the two-group kernel runs without the stage: 12 and 16 rows of 4096x14336,
 // 14336x4096 and 4096x4096 (MUL1 and 3INST) 4.6-11.5% faster than with it.
 // TRELLIS_TWO_GROUP_STAGE (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the stage

@@ -230,10 +230,10 @@ def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
 @pytest.mark.parametrize("n_in,n_out", [(4096, 4096), (1024, 14336)])
 def test_finish_spread_gives_the_same_product(n_in, n_out, finish_spread):
     """Split products' finish kernels with and without the padding that spreads a small grid one
-    block to an SM (set_finish_spread): 4096 columns are a grid of 4 blocks at one row, 14,336 of
-    14 (fewer than the SMs of any GPU the products tune for), at 1 and 4 rows on the integer path and
-    8 and 16 on the fp16 path, against the reference and each other (up to fp32 summation order);
-    and the workspaces are left zero."""
+    block to an SM (set_finish_spread): gv_finish_kernel's grid for 4096 columns is 2 blocks at
+    one row and 32 at 16, for 14,336 columns 7 and 112 (fewer than an H100's SMs), at 1 and 4 rows
+    on the integer path and 8 and 16 on the fp16 path, against the reference and each other (up
+    to fp32 summation order); and the workspaces are left zero."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=67, bias=True)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
     for rows in (1, 4, 8, 16):
