@@ -49,16 +49,14 @@ for batch in 16 1; do
     done
   done
 done
-for pass in 1; do
-  for b in new old; do
-    echo "== products, $b, pass $pass $(el)s" | tee -a $L
-    TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 90 python3 -m bench.linear --timing graph --cache cold \
-      --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused --shapes 4096x14336 14336x4096 4096x4096 --m 12 16 \
-      2>&1 | python3 -c "$SUM" | grep -v '^{' | sed "s/^/$b /" | tee -a $L
-    TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 60 python3 -m bench.linear --timing graph --cache cold \
-      --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused --shapes 8192x28672 --m 1 16 32 2>&1 | python3 -c "$SUM" \
-      | grep -v '^{' | sed "s/^/$b /" | tee -a $L
-  done
+for b in new old; do
+  echo "== products, $b $(el)s" | tee -a $L
+  TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 90 python3 -m bench.linear --timing graph --cache cold \
+    --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused --shapes 4096x14336 14336x4096 4096x4096 --m 12 16 \
+    2>&1 | python3 -c "$SUM" | grep -v '^{' | sed "s/^/$b /" | tee -a $L
+  TRELLIS_GV_BLOCK_CAP=${CAP[$b]} TRELLIS_NVCC_DEFINES=${DEF[$b]} timeout 60 python3 -m bench.linear --timing graph --cache cold \
+    --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused --shapes 8192x28672 --m 1 16 32 2>&1 | python3 -c "$SUM" \
+    | grep -v '^{' | sed "s/^/$b /" | tee -a $L
 done
 for batch in 1 4; do
   echo "== decode batch $batch, finish spread 0 / 1 $(el)s" | tee -a $L
