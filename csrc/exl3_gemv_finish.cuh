@@ -10,6 +10,7 @@
 
 #include <type_traits>
 
+#include "exl3_gemv_geom.cuh"  // smem_for_at_most
 #include "exl3_mm.cuh"
 #include "exl3_prep.cuh"
 #include "kernels.h"
@@ -304,14 +305,9 @@ inline GvC0 gv_c0_arg(const MmArgs& a, bool c0_late) {
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_finish(void (*kernel)(KernelArgs...), unsigned blocks, cudaStream_t stream, bool pdl,
                           Args&&... args) {
-    if (finish_spread() && (int)blocks < current_device_attr<cudaDevAttrMultiProcessorCount>()) {
-        const int per_sm = current_device_attr<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
-        const int reserved = current_device_attr<cudaDevAttrReservedSharedMemoryPerBlock>();
-        const int per_block = current_device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
-        const size_t one_per_sm = ((size_t)per_sm / 2 - reserved + 1 + 127) / 128 * 128;
-        if (per_sm > 0 && one_per_sm <= (size_t)per_block)
-            return launch_pdl_smem(kernel, dim3(blocks), dim3(256), one_per_sm, stream, pdl, std::forward<Args>(args)...);
-    }
+    const bool spread = finish_spread() && (int)blocks < current_device_attr<cudaDevAttrMultiProcessorCount>();
+    const size_t smem = spread ? smem_for_at_most(0, 1) : 0;
+    if (smem) return launch_pdl_smem(kernel, dim3(blocks), dim3(256), smem, stream, pdl, std::forward<Args>(args)...);
     return launch_pdl(kernel, dim3(blocks), dim3(256), 0, stream, pdl, std::forward<Args>(args)...);
 }
 

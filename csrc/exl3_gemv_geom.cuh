@@ -57,9 +57,9 @@ __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
 // against 248 instructions a unit, no spills). Why (H100, session 42): without the stage it has 80
 // registers, so three of its 64 KB blocks fit an SM, and a 2 x SMs grid launched as a programmatic
 // dependent (every product: after its prep or finish kernel) is packed three to an SM on 66 SMs,
-// two on 33, none on 33 (bench/occupancy_probe.cu). With products padded to two blocks an SM (gemv_block_cap,
-// exl3_mm.cuh) the two-group kernel runs without the stage: 12 and 16 rows of 4096x14336,
-// 14336x4096 and 4096x4096 (MUL1 and 3INST) 4.6-11.5% faster than with it.
+// two on 33, none on 33 (bench/occupancy_probe.cu). With products padded to two blocks an SM
+// (gemv_block_cap, exl3_mm.cuh) the two-group kernel runs without the stage: 12 and 16 rows of
+// 4096x14336, 14336x4096 and 4096x4096 (MUL1 and 3INST) 4.6-11.5% faster than with it.
 // TRELLIS_TWO_GROUP_STAGE (an A/B build, engine/ops/build.py's TRELLIS_NVCC_DEFINES): the stage
 // back in, as shipped until session 42, to measure against.
 #ifdef TRELLIS_TWO_GROUP_STAGE
@@ -181,16 +181,23 @@ inline SmemLimits device_smem_limits() {
             current_device_attr<cudaDevAttrReservedSharedMemoryPerBlock>()};
 }
 
-// A product launch's dynamic shared memory: smem, or under gemv_block_cap (exl3_mm.cuh) enough
-// that at most minb blocks fit on an SM (with the system's reservation per block), where the
-// device says how much an SM has and minb such blocks still fit.
-inline size_t gv_capped_smem(size_t smem, int minb) {
-    if (!gemv_block_cap() || minb <= 0) return smem;
+// Dynamic shared memory of at least smem with which at most `blocks` blocks fit on an SM (with the
+// system's reservation per block), where the device says how much an SM has and that many such
+// blocks still fit; smem itself otherwise. Why: the block scheduler packs a programmatic
+// dependent's blocks as deep as they fit (bench/occupancy_probe.cu, session 42), and padding is
+// the one way a launch can say how many may share an SM.
+inline size_t smem_for_at_most(size_t smem, int blocks) {
     const SmemLimits lim = device_smem_limits();
-    if (lim.per_sm <= 0) return smem;
-    const size_t need = ((size_t)lim.per_sm / (minb + 1) - lim.reserved + 1 + 127) / 128 * 128;
-    if (need <= smem || need > (size_t)lim.per_block || (need + lim.reserved) * minb > (size_t)lim.per_sm) return smem;
+    if (lim.per_sm <= 0 || blocks <= 0) return smem;
+    const size_t need = ((size_t)lim.per_sm / (blocks + 1) - lim.reserved + 1 + 127) / 128 * 128;
+    if (need <= smem || need > (size_t)lim.per_block || (need + lim.reserved) * blocks > (size_t)lim.per_sm) return smem;
     return need;
+}
+
+// A product launch's dynamic shared memory: smem, or under gemv_block_cap (exl3_mm.cuh) enough
+// that at most the minb blocks its grid is sized for fit on an SM.
+inline size_t gv_capped_smem(size_t smem, int minb) {
+    return gemv_block_cap() ? smem_for_at_most(smem, minb) : smem;
 }
 
 // Whether `minb` blocks of `bytes` of dynamic shared memory each fit on one SM (and one fits the

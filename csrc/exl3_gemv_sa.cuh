@@ -355,6 +355,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     cp_async_wait<0>();
 }
 
+// The blocks per SM the block-shared kernel's grid is sized for (sa_grid) and its slices fit
+// (sa_slice_rows); its launch pads shared memory to hold an SM at that (gv_capped_smem).
+constexpr int kSaBlocksPerSm = 2;
+
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
 // block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
 // With the compact setting kGvCompactTwoBlocks, what fits in half an SM, since the grid is sized
@@ -363,9 +367,9 @@ template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
     const SmemLimits lim = device_smem_limits();
-    const int half_sm = lim.per_sm / 2 - lim.reserved;
-    const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && half_sm < lim.per_block;
-    const int budget = two ? half_sm : lim.per_block;
+    const int sm_share = lim.per_sm / kSaBlocksPerSm - lim.reserved;
+    const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
+    const int budget = two ? sm_share : lim.per_block;
     const int fit = (budget / 4 - S::RING_WORDS - S::SUM_WORDS) / S::BROW;
     const int ks = fit < S::KS ? fit : S::KS;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
@@ -387,7 +391,7 @@ SaGrid sa_grid(const MmArgs& a) {
     SaGrid gd;
     const int tk = a.in / 16, tku = tk / S::KR;
     const int groups = a.out / 16 / S::CT;
-    const long target = 2L * (a.num_sms > 0 ? a.num_sms : 132);
+    const long target = (long)kSaBlocksPerSm * (a.num_sms > 0 ? a.num_sms : 132);
     const int ksu_fit = sa_slice_rows<K, NG, CFG>(tk) / S::KR;
     const bool old_rule = gemv_sa_grid() == 0;
     long nsl = (target * (old_rule ? 8 : 2) + groups - 1) / groups;
@@ -472,8 +476,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    // sa_grid sizes the grid for two blocks per SM
-    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4, 2);
+    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4, kSaBlocksPerSm);
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.

@@ -297,10 +297,11 @@ inline long gv_blocks(long units, int minb, int num_sms) {
 // slices of at most ~24 k rows) gets a grid of 2 x SMs, and launched as a programmatic dependent
 // (as products are) the block scheduler packs it up to three to an SM on three quarters of the
 // SMs, leaving the rest idle (bench/occupancy_probe.cu, H100, session 42: 99 of 132 SMs used, 66
-// with three; alone, or padded, the grid spreads two to an SM). Measured (H100, session 42, bench/ab_session42.sh):
-// 6 / 12 / 16 / 32 rows of the mid-size layers and 1 / 16 of 8192x28672 within -1.7..+0.6% of
-// uncapped; batch-1 decode 400.3 / 405.4 against 406.1 / 414.5 tok/s capped; and it lets the
-// two-group kernel drop its output stage (exl3_gemv_geom.cuh, kTwoGroupsInFinish).
+// with three; alone, or padded, the grid spreads two to an SM). Measured (H100, session 42,
+// bench/ab_session42.sh): 6 / 12 / 16 / 32 rows of the mid-size layers and 1 / 16 of 8192x28672
+// within -1.7..+0.6% of uncapped; batch-1 decode 400.3 / 405.4 against 406.1 / 414.5 tok/s
+// capped; and it lets the two-group kernel drop its output stage (exl3_gemv_geom.cuh,
+// kTwoGroupsInFinish).
 inline int& gemv_block_cap() {
     static int v = 1;
     return v;

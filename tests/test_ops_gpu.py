@@ -184,6 +184,24 @@ four_rows = extension_setting("four_rows", "set_gemv_four_row_units", "FOUR_ROW_
 finish_spread = extension_setting("finish_spread", "set_finish_spread", "FINISH_SPREAD")
 
 
+def assert_same_product_under(set_value, values, t, cb, n_in, row_paths):
+    """Each (rows, int8) product of layer t under every value of one launch setting: against the
+    reference (relative RMS < 2e-3) and the first value's product up to fp32 summation order
+    (< 1e-3); and the workspaces are left zero."""
+    ref_w = fmt.reconstruct(t.trellis, cb)
+    for rows, int8 in row_paths:
+        x = torch.randn(rows, n_in, device=DEV).half()
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        ys = []
+        for v in values:
+            set_value(v)
+            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
+            assert rel_rms(ys[-1], ref) < 2e-3, (rows, int8, v, rel_rms(ys[-1], ref))
+        for v, y in zip(values[1:], ys[1:]):
+            assert rel_rms(y, ys[0]) < 1e-3, (rows, int8, v)
+    assert workspaces_zero()
+
+
 @pytest.mark.parametrize("n_in,n_out", [(4096, 6144), (14336, 4096), (1024, 1536)])
 def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
     """The three grid fills (the min-units cap's grid; every resident block where that leaves more
@@ -192,17 +210,7 @@ def test_grid_fill_settings_give_the_same_product(n_in, n_out, grid_fill):
     the first two, fill 2 all three. Against the reference and each other (up to fp32 summation
     order), integer path at 1 and 4 rows, fp16 path at 8."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=59, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows, int8 in ((1, True), (4, True), (8, False)):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
-        ys = []
-        for fill in (0, 1, 2):
-            grid_fill(fill)
-            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
-            assert rel_rms(ys[-1], ref) < 2e-3, (rows, int8, fill, rel_rms(ys[-1], ref))
-        assert rel_rms(ys[1], ys[0]) < 1e-3 and rel_rms(ys[2], ys[0]) < 1e-3, (rows, int8)
-    assert workspaces_zero()
+    assert_same_product_under(grid_fill, (0, 1, 2), t, "mul1", n_in, ((1, True), (4, True), (8, False)))
 
 
 @pytest.mark.parametrize("n_in,n_out,cb", [(4096, 4096, "mul1"), (4096, 14336, "3inst"), (4096, 14336, "mul1")])
@@ -213,18 +221,8 @@ def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
     pads too) against the reference and the unpadded launch, up to fp32 summation order; and the
     workspaces are left zero."""
     t = rand_layer(n_in, n_out, 4, cb, seed=61)
-    ref_w = fmt.reconstruct(t.trellis, cb)
-    for rows in (1, 6, 12, 16, 32):
-        int8 = cb == "mul1" and rows <= 4
-        x = torch.randn(rows, n_in, device=DEV).half()
-        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
-        ys = []
-        for cap in (0, 1):
-            block_cap(cap)
-            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3))
-            assert rel_rms(ys[-1], ref) < 2e-3, (rows, cap, rel_rms(ys[-1], ref))
-        assert rel_rms(ys[1], ys[0]) < 1e-3, rows
-    assert workspaces_zero()
+    row_paths = [(rows, cb == "mul1" and rows <= 4) for rows in (1, 6, 12, 16, 32)]
+    assert_same_product_under(block_cap, (0, 1), t, cb, n_in, row_paths)
 
 
 @pytest.mark.parametrize("n_in,n_out", [(4096, 4096), (1024, 14336)])
@@ -235,17 +233,8 @@ def test_finish_spread_gives_the_same_product(n_in, n_out, finish_spread):
     on the integer path and 8 and 16 on the fp16 path, against the reference and each other (up
     to fp32 summation order); and the workspaces are left zero."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=67, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (1, 4, 8, 16):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
-        ys = []
-        for spread in (0, 1):
-            finish_spread(spread)
-            ys.append(ops.exl3_gemm(x, t, mode="fused", int8=rows <= 4, version=3))
-            assert rel_rms(ys[-1], ref) < 2e-3, (rows, spread, rel_rms(ys[-1], ref))
-        assert rel_rms(ys[1], ys[0]) < 1e-3, rows
-    assert workspaces_zero()
+    row_paths = [(rows, rows <= 4) for rows in (1, 4, 8, 16)]
+    assert_same_product_under(finish_spread, (0, 1), t, "mul1", n_in, row_paths)
 
 
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])
