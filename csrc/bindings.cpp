@@ -846,8 +846,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("split_finish_setting", &trellis::gemv_split_finish_setting, "the split-finish setting in force (set_gemv_split_finish)");
     m.def("set_finish_early_reads", &trellis::set_finish_early_reads,
           "the decode chains' finish kernel reads the input's row sums and the residual before its PDL wait (default) or after it");
-    m.def("set_finish_spread", &trellis::set_finish_spread,
-          "finish kernels with fewer blocks than SMs pad their shared memory so one block fits an SM (default 0: no)");
     m.def("set_gemv_sa_grid", &trellis::set_gemv_sa_grid,
           "the block-shared product's grid: 1 fewest k slices, never more blocks than fit at once (default); 0 the rule before session 28");
     m.def("set_gemv_sa_tiles", &trellis::set_gemv_sa_tiles,

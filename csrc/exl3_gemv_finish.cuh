@@ -10,7 +10,6 @@
 
 #include <type_traits>
 
-#include "exl3_gemv_geom.cuh"  // smem_for_at_most
 #include "exl3_mm.cuh"
 #include "exl3_prep.cuh"
 #include "kernels.h"
@@ -299,18 +298,6 @@ inline GvC0 gv_c0_arg(const MmArgs& a, bool c0_late) {
     return c;
 }
 
-// A finish kernel's launch (blocks of 8 warps): under finish_spread (exl3_mm.cuh), a grid of fewer
-// blocks than SMs asks for enough dynamic shared memory (which the kernels do not use) that one
-// block fits an SM, so that its blocks cannot stack on the first SMs its product frees.
-template <typename... KernelArgs, typename... Args>
-cudaError_t launch_finish(void (*kernel)(KernelArgs...), unsigned blocks, cudaStream_t stream, bool pdl,
-                          Args&&... args) {
-    const bool spread = finish_spread() && (int)blocks < current_device_attr<cudaDevAttrMultiProcessorCount>();
-    const size_t smem = spread ? smem_for_at_most(0, 1) : 0;
-    if (smem) return launch_pdl_smem(kernel, dim3(blocks), dim3(256), smem, stream, pdl, std::forward<Args>(args)...);
-    return launch_pdl(kernel, dim3(blocks), dim3(256), 0, stream, pdl, std::forward<Args>(args)...);
-}
-
 // Launch gv_finish_chain_kernel for a product of 1..4 rows with chain arguments (MmArgs::in_part,
 // next).
 inline cudaError_t launch_gv_finish_chain(const MmArgs& a, bool c0_late, cudaStream_t stream) {
@@ -320,8 +307,8 @@ inline cudaError_t launch_gv_finish_chain(const MmArgs& a, bool c0_late, cudaStr
     const auto kernel = a.next.mode == 1   ? (mr ? gv_finish_chain_kernel<1, true> : gv_finish_chain_kernel<1>)
                         : a.next.mode == 2 ? (mr ? gv_finish_chain_kernel<2, true> : gv_finish_chain_kernel<2>)
                                            : (mr ? gv_finish_chain_kernel<0, true> : gv_finish_chain_kernel<0>);
-    return launch_finish(kernel, (unsigned)((tasks + 7) / 8), stream, a.pdl, a.z, a.y, a.svh, a.bias, a.out, a.in, ch,
-                         a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m, gv_c0_arg(a, c0_late));
+    return launch_pdl(kernel, dim3((unsigned)((tasks + 7) / 8)), dim3(256), 0, stream, a.pdl, a.z, a.y, a.svh, a.bias,
+                      a.out, a.in, ch, a.early_trigger != 1 && finish_early_reads(), a.ldy, a.m, gv_c0_arg(a, c0_late));
 }
 
 // Launch gv_finish_kernel for a product of m rows and `out` columns (its workspace z, output y);
@@ -330,8 +317,8 @@ inline cudaError_t launch_gv_finish_chain(const MmArgs& a, bool c0_late, cudaStr
 inline cudaError_t launch_gv_finish(const MmArgs& a, cudaStream_t stream, bool c0_late = false) {
     if (a.next.mode || a.in_part) return launch_gv_finish_chain(a, c0_late, stream);
     const long warps = ((long)a.m * (a.out >> 7) + kGvFinishTasks - 1) / kGvFinishTasks;
-    return launch_finish(gv_finish_kernel<kGvFinishTasks>, (unsigned)((warps + 7) / 8), stream, a.pdl, a.z, a.y, a.ldy,
-                         a.svh, a.bias, a.m, a.out, gv_c0_arg(a, c0_late), a.early_trigger != 1);
+    return launch_pdl(gv_finish_kernel<kGvFinishTasks>, dim3((unsigned)((warps + 7) / 8)), dim3(256), 0, stream,
+                      a.pdl, a.z, a.y, a.ldy, a.svh, a.bias, a.m, a.out, gv_c0_arg(a, c0_late), a.early_trigger != 1);
 }
 
 }  // namespace trellis

@@ -196,7 +196,6 @@ void set_attn_merge_online(bool enabled) { attn_merge_online_flag() = enabled; }
 bool attn_merge_online_setting() { return attn_merge_online_flag(); }
 void set_gemv_split_finish(int mode) { gemv_split_finish() = mode >= 0 && mode <= 5 ? mode : 5; }
 void set_finish_early_reads(bool enabled) { finish_early_reads() = enabled; }
-void set_finish_spread(int on) { finish_spread() = on ? 1 : 0; }
 int gemv_split_finish_setting() { return gemv_split_finish(); }
 void set_gemv_sa_grid(int rule) { gemv_sa_grid() = rule == 0 ? 0 : 1; }
 void set_gemv_sa_tiles(int rule) { gemv_sa_tiles() = rule >= 0 && rule <= 2 ? rule : 1; }

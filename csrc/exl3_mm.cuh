@@ -238,20 +238,6 @@ inline bool& finish_early_reads() {
     return v;
 }
 
-// Whether the finish kernels (gv_finish_kernel, gv_finish_chain_kernel) launch with enough dynamic
-// shared memory, unused, that one of their blocks fits an SM, where their grid has fewer blocks
-// than SMs (set_finish_spread; default 0: no; exl3_gemv_finish.cuh, launch_finish). Why, a
-// hypothesis (session 42, not measured): a dependent grid launched while its primary still holds
-// the SMs is placed where room opens; a decode product's finish grid (4 to 14 blocks of 8 warps
-// at batch 1) may then stack on the first SMs the product frees and share their schedulers while
-// other SMs idle, as a 2 x SMs product grid stacks three deep after its prep
-// (bench/occupancy_probe.cu). The link finish kernels take 3.1-4.6 us of a decode layer's critical
-// path (sessions 31-32); blocks of 1 or 2 warps did not change that, which stacking would explain.
-inline int& finish_spread() {
-    static int v = 0;
-    return v;
-}
-
 // The block-shared kernel's grid rule (sa_grid): 1 the shipped one, 0 the one before session 28.
 inline int& gemv_sa_grid() {
     static int v = 1;

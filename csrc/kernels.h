@@ -236,9 +236,6 @@ int gemv_split_finish_setting();  // the setting in force (decode chains of 2..4
 // Whether that chain finish kernel reads its inputs from earlier kernels before its PDL wait
 // (default on; exl3_mm.cuh, finish_early_reads).
 void set_finish_early_reads(bool enabled);
-// Whether the finish kernels pad their shared memory to one block an SM where their grid has fewer
-// blocks than SMs (exl3_mm.cuh, finish_spread): 0 (default) no, 1 yes.
-void set_finish_spread(int on);
 // How the block-shared kernel cuts its grid (exl3_gemv_sa.cuh, sa_grid): 1 (default) as few k
 // slices as shared memory allows and never more blocks than fit at once; 0 the rule before
 // session 28 (about 8 column groups per block), a benchmark baseline.

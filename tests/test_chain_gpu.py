@@ -193,41 +193,6 @@ def test_normed_chain_then_gated_chain_then_normed_chain(chains, split):
     _zero_state()
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_finish_kernels_spread_to_one_block_an_sm(chains, rows, request, monkeypatch):
-    """Under set_finish_spread (TRELLIS_FINISH_SPREAD=1) the finish kernels of grids smaller than
-    the SM count ask for shared memory they do not use, so that one of their blocks fits an SM:
-    the three links (chain finish kernels) and the plain path (gv_finish_kernel after each
-    integer-path product) give what they give without it, up to the order of the split-k atomics,
-    and each other's within int8-pass rounding."""
-    monkeypatch.setattr(ops, "CHAIN_ROWS", 4)
-    ext = ops.extension()
-    _set_split(FINISH_KERNEL)
-
-    def restore():
-        ext.set_finish_spread(ops.FINISH_SPREAD)
-        _restore_split()
-    request.addfinalizer(restore)
-    layer = _LinkLayer.random(1024, 2816, 31, down_bias=True)
-    g = torch.Generator(device=DEV).manual_seed(40 + rows)
-    a = torch.randn(rows, 1, 1024, device=DEV, generator=g).half()
-    res = (torch.randn(rows, 1, 1024, device=DEV, generator=g) * 4).half()
-    chained, plain = {}, {}
-    for spread in (0, 1):
-        ext.set_finish_spread(spread)
-        chained[spread] = layer.run(a, res, True)
-        plain[spread] = layer.run(a, res, False)
-        assert chained[spread][2]
-    for runs, bound in ((chained, 1e-3), (plain, 1e-3)):
-        assert rel_rms(runs[1][1], runs[0][1]) < bound
-        for y1, y0 in zip(runs[1][0], runs[0][0]):
-            assert rel_rms(y1, y0) < bound
-    assert rel_rms(chained[1][1], plain[1][1]) < 3e-3
-    for yc, yp in zip(chained[1][0], plain[1][0]):
-        assert rel_rms(yc, yp) < 3e-3
-    _zero_state()
-
-
 @pytest.mark.parametrize("rows", [2, 3, 4])
 def test_the_three_links_at_several_rows(chains, rows, request, monkeypatch):
     """With ops.CHAIN_ROWS a decode step of 2..4 rows (a batch, or speculative decoding's check)

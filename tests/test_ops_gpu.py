@@ -181,7 +181,6 @@ def extension_setting(name, setter, default):
 grid_fill = extension_setting("grid_fill", "set_gemv_grid_fill", "GV_GRID_FILL")  # gemv_grid_fill
 block_cap = extension_setting("block_cap", "set_gemv_block_cap", "GV_BLOCK_CAP")  # two blocks per SM
 four_rows = extension_setting("four_rows", "set_gemv_four_row_units", "FOUR_ROW_UNITS")
-finish_spread = extension_setting("finish_spread", "set_finish_spread", "FINISH_SPREAD")
 
 
 def assert_same_product_under(set_value, values, t, cb, n_in, row_paths):
@@ -223,18 +222,6 @@ def test_block_cap_gives_the_same_product(n_in, n_out, cb, block_cap):
     t = rand_layer(n_in, n_out, 4, cb, seed=61)
     row_paths = [(rows, cb == "mul1" and rows <= 4) for rows in (1, 6, 12, 16, 32)]
     assert_same_product_under(block_cap, (0, 1), t, cb, n_in, row_paths)
-
-
-@pytest.mark.parametrize("n_in,n_out", [(4096, 4096), (1024, 14336)])
-def test_finish_spread_gives_the_same_product(n_in, n_out, finish_spread):
-    """Split products' finish kernels with and without the padding that spreads a small grid one
-    block to an SM (set_finish_spread): gv_finish_kernel's grid for 4096 columns is 2 blocks at
-    one row and 32 at 16, for 14,336 columns 7 and 112 (fewer than an H100's SMs), at 1 and 4 rows
-    on the integer path and 8 and 16 on the fp16 path, against the reference and each other (up
-    to fp32 summation order); and the workspaces are left zero."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=67, bias=True)
-    row_paths = [(rows, rows <= 4) for rows in (1, 4, 8, 16)]
-    assert_same_product_under(finish_spread, (0, 1), t, "mul1", n_in, row_paths)
 
 
 @pytest.mark.parametrize("K,cb", [(2, "mul1"), (4, "mul1"), (5, "mul1"), (6, "mul1"), (4, "3inst"), (3, "mcg"), (6, "3inst")])

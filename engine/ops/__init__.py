@@ -85,10 +85,6 @@ GV_SPLIT_FINISH = _int_setting("TRELLIS_GV_SPLIT_FINISH", 5)
 # away (csrc/exl3_gemv_finish.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
 # it, as first written (a same-run baseline).
 FINISH_EARLY_READS = os.environ.get("TRELLIS_FINISH_EARLY_READS", "1") != "0"
-# Whether the finish kernels pad their shared memory so that one of their blocks fits an SM where
-# their grid has fewer blocks than SMs (TRELLIS_FINISH_SPREAD=1; default 0 until measured:
-# csrc/exl3_mm.cuh, finish_spread, and bench/ab_session42c.sh).
-FINISH_SPREAD = _int_setting("TRELLIS_FINISH_SPREAD", 0)
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
@@ -261,7 +257,6 @@ def extension():
         _ext.set_gemv_wgmma(GV_WGMMA)
         _ext.set_gemv_split_finish(GV_SPLIT_FINISH)
         _ext.set_finish_early_reads(FINISH_EARLY_READS)
-        _ext.set_finish_spread(FINISH_SPREAD)
         # The block-shared kernel's grid (TRELLIS_GV_SA_GRID): 1 (default) as few k slices as shared
         # memory allows, never more blocks than fit at once; 0 the rule before session 28.
         _ext.set_gemv_sa_grid(_int_setting("TRELLIS_GV_SA_GRID", 1))
