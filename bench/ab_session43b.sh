@@ -13,8 +13,10 @@
 # 3. ncu of the 32-row 8192x28672 K = 4 product (the block-shared kernel on Hopper's warpgroup MMA,
 #    shipped since session 39, never profiled): issue, eligible warps, stall reasons, pipe
 #    utilisation ($OUT/ncu_m32.txt; every raw metric in $OUT/ncu_raw_m32.csv).
+# SHORT=1 (~190 s, for the end of a session's device time): 1, then 2 at context 0 only
+# (0, 2, 1, 0, 2), on any card.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && { bash bench/h200_goals.sh; exit 0; }
+[ -z "$SHORT" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && { bash bench/h200_goals.sh; exit 0; }
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
 echo "== chain tests $(el)s" | tee -a $L
@@ -24,17 +26,18 @@ grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_chain.txt | head -12 | 
 M=/tmp/llama3-8b
 timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode batch 1, TRELLIS_ATTN_TRIGGER 0 / 1 / 2 $(el)s" | tee -a $L
-for pass in 1 2; do
-  for v in 0 1 2; do
-    TRELLIS_ATTN_TRIGGER=$v timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 96 --paths cuda-graph \
-      --breakdown > /tmp/trig.txt 2>&1
-    grep '"tokens_per_s\|error' /tmp/trig.txt | grep -v '"critical_path"' | cut -c1-150 | sed "s/^/trigger $v /" | tee -a $L
-    grep '"critical_path"' /tmp/trig.txt | head -1 | python3 -c 'import sys, json
+ORDER="0 1 2 0 1 2"
+[ -n "$SHORT" ] && ORDER="0 2 1 0 2"
+for v in $ORDER; do
+  TRELLIS_ATTN_TRIGGER=$v timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens 96 --paths cuda-graph \
+    --breakdown > /tmp/trig.txt 2>&1
+  grep '"tokens_per_s\|error' /tmp/trig.txt | grep -v '"critical_path"' | cut -c1-150 | sed "s/^/trigger $v /" | tee -a $L
+  grep '"critical_path"' /tmp/trig.txt | head -1 | python3 -c 'import sys, json
 for l in sys.stdin:
   c = json.loads(l)["critical_path"]; print("  layer_us", c.get("layer_us"), c.get("error", ""))
   for s in c.get("sites", [])[:3]: print("    ", s["critical_us"], s["us"], s["kernel"][:60])' | tee -a $L
-  done
 done
+[ -n "$SHORT" ] && { echo "== done $(el)s" | tee -a $L; exit 0; }
 echo "== decode batch 1, context 4096, TRELLIS_ATTN_TRIGGER 0 / 2 $(el)s" | tee -a $L
 for pass in 1 2; do
   for v in 0 2; do
