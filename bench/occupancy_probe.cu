@@ -17,12 +17,13 @@
 // (as many as the short kernel's blocks). So products pad their shared memory to two blocks
 // (gemv_block_cap).
 //
-// Second part ("small" lines; written in session 42, first run in session 43): a small dependent grid (4, 6
-// and 14 blocks of 8 warps, the chain finish kernels' grids at batch 1 of Llama-3.1-8B, and 32)
-// after a kernel that fills every SM and leaves them at staggered times, as a decode product does
-// before its finish kernel. If the scheduler puts a dependent's blocks wherever room opens first, several land
-// on the first SM to free up and share its four schedulers, while other SMs stand idle. Padded
-// ("one_per_sm", the TRELLIS_FINISH_SPREAD=1 launch), one block fits an SM.
+// Second part ("small" lines, written in session 42): a small dependent grid (4, 6 and 14 blocks of
+// 8 warps, the chain finish kernels' grids at batch 1 of Llama-3.1-8B, and 32) after a kernel that
+// fills every SM and leaves them at staggered times, as a decode product does before its finish
+// kernel; unpadded, and padded so that one block fits an SM ("one_per_sm").
+// Session 43 (H100): unpadded they stack up to four deep (6 blocks on 2-3 SMs, 14 on 5, 32 on 8-9);
+// padded, one to an SM. Padding the finish kernels so (TRELLIS_FINISH_SPREAD, since removed) left
+// decode and the finish kernels' time unchanged.
 //   nvcc -O3 -std=c++17 -arch=sm_90 bench/occupancy_probe.cu -o /tmp/occupancy_probe
 //   /tmp/occupancy_probe
 #include <cuda_runtime.h>
