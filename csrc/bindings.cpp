@@ -721,8 +721,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     a.scale = (float)scale;
     TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "decode_attention: softcap must be finite and >= 0 (0: none)");
     a.softcap = (float)softcap;
-    a.early_trigger = trellis::attn_trigger_setting() ? trellis::attn_trigger_setting()
-                                                       : trellis::early_trigger_setting() == 1 ? 1 : 0;
+    a.early_trigger = trellis::early_trigger_setting() == 1;
     a.merge_online = trellis::attn_merge_online_setting();
     if (!next.empty()) {
         TORCH_CHECK(next.size() == 4 && B == 1 && trellis::decode_attention_chains(a),
@@ -827,8 +826,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_two_row_units", &trellis::set_gemv_two_row_units,
           "k-row pairs per resident warp from which a product takes two k rows per unit (default 6)");
     m.def("set_early_trigger", &trellis::set_early_trigger, "when the kernel after a product or decode attention may launch: 0 at their end, 1 at their start, 2 (products, the default) at their tail");
-    m.def("set_attn_trigger", &trellis::set_attn_trigger,
-          "when decode attention lets the next kernel launch: 0 as set_early_trigger says (default), 1 at its start, 2 after its walks");
     m.def("set_attn_one_load_splits", &trellis::set_attn_one_load_splits,
           "decode attention takes one load of 16 keys per warp while that needs at most this many splits (default 10; 0: never)");
     m.def("set_attn_mma_slots", &trellis::set_attn_mma_slots,

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     using Row = typename HalfRow<DL>::T;
     __shared__ __align__(16) Row sm_new[2][32];  // MMA: this step's token's K and V rows, for the walks' patch
 
-    if (a.early_trigger == 1) pdl_launch_dependents();  // the next kernel waits for this grid anyway
+    if (a.early_trigger) pdl_launch_dependents();  // the next kernel waits for this grid anyway
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nhg = (a.G + kAttnHeads - 1) / kAttnHeads;
     const int kvh = blockIdx.y / nhg, hg = blockIdx.y - kvh * nhg, b = blockIdx.z;
@@ -233,7 +233,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     } else {
         attn_walk_scalar<DL, CAP>(keys, q_row, lane, out);
     }
-    if (a.early_trigger == 2) pdl_launch_dependents();
     __syncthreads();
     const int g = warp;  // warps 0..3 merge one head each; the others only take part in the count
     const bool merges = g < kAttnHeads;
@@ -367,20 +366,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32, MMA ? 1 : 2) decode_attention
     }
     if (threadIdx.x == 0) a.counters[group] = 0;  // ready for the next call
 }
-
-// When the kernel after decode attention may launch (DecodeAttnArgs::early_trigger). Why a setting
-// of its own: under the products' default (set_early_trigger 2, at their tail) attention triggers
-// at its end, so o_proj, its chained successor at batch 1, starts its trellis fetch only then, and
-// its share of a layer's critical path is its whole duration (7.7 us on an H100, session 43),
-// where the other products overlap ~3.7 us with the kernel before them. Session 13 measured the
-// start (mode 1 then) no faster; attention has since moved its own fetch before its wait. 2 lets
-// o_proj launch after the walks, so its fetch overlaps only the merge and the output.
-static int& attn_trigger() {
-    static int mode = 0;
-    return mode;
-}
-void set_attn_trigger(int mode) { attn_trigger() = mode >= 0 && mode <= 2 ? mode : 0; }
-int attn_trigger_setting() { return attn_trigger(); }
 
 // Blocks per split: one per batch row, kv head and group of up to kAttnHeads query heads (each
 // with its completion counter).

@@ -214,11 +214,6 @@ void set_gemv_four_row_units(int units);  // 0: never four k rows per unit
 // (session 6). Mode 0: when they end.
 void set_early_trigger(int mode);
 int early_trigger_setting();
-// When decode attention lets the kernel after it launch (csrc/decode_attention.cu, attn_trigger):
-// 0 (default) as set_early_trigger says (at its start under mode 1, else at its end), 1 at its
-// start, 2 after its walks.
-void set_attn_trigger(int mode);
-int attn_trigger_setting();
 // Decode attention's merge of its splits' partials: one pass with a running max (default), or the
 // max first and then the sums (false: as before session 15; a benchmark knob).
 void set_attn_merge_online(bool enabled);
@@ -378,9 +373,10 @@ struct DecodeAttnArgs {
     // Gemma 2's soft cap: each score s (scale included) becomes softcap * tanh(s / softcap)
     // before the mask and the softmax; 0: none.
     float softcap = 0.f;
-    // When the kernel after this one may launch: 0 at this grid's end, 1 at its start, 2 after the
-    // walks, before the splits' merge and the output (set_attn_trigger).
-    int early_trigger = 0;
+    // See set_early_trigger (mode 1). Under the default mode 2 attention triggers at its end: at its
+    // start or after its walks, o_proj's early fetch made batch-1 decode 2.3% slower on an H200
+    // (csrc/PERF_NOTES.md, sessions 13 and 43).
+    bool early_trigger = false;
     // Several splits: their partials merge in one pass with a running max (false: the max first,
     // then the sums, as before session 15; set_attn_merge_online).
     bool merge_online = true;

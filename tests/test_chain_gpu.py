@@ -264,33 +264,6 @@ def test_attention_writes_o_projs_input(chains, heads, kv_heads, slots, D, reque
     _zero_state()
 
 
-@pytest.mark.parametrize("slots", [17, 1000])
-@pytest.mark.parametrize("trigger", [1, 2])
-def test_attention_trigger_points_give_the_same_chain(chains, slots, trigger, request):
-    """Decode attention letting o_proj launch at its start (1) or after its walks (2) instead of at
-    its end: the product still waits for the whole attention grid before it reads its input, so
-    the attention output is the same bits and o_proj's within the split-k atomics' order, with one
-    split (17 slots) and with several merged by the last block (1,000)."""
-    ext = ops.extension()
-    request.addfinalizer(lambda: ext.set_attn_trigger(ops.ATTN_TRIGGER))
-    g = torch.Generator(device=DEV).manual_seed(slots + trigger)
-    q = torch.randn(1, 32, 1, 128, generator=g, device=DEV).half()
-    k = torch.randn(1, 8, slots, 128, generator=g, device=DEV).half()
-    v = torch.randn(1, 8, slots, 128, generator=g, device=DEV).half()
-    mask = torch.zeros(1, slots, device=DEV).half()
-    o = rand_layer(32 * 128, 4096, 4, 29, bias=True)
-    runs = {}
-    for mode in (0, trigger):
-        ext.set_attn_trigger(mode)
-        out, d = ops.attention_into_chain(q, k, v, mask, 0.0884, o, 4096)
-        runs[mode] = (out, ops.as_tensor(d))
-    assert torch.equal(runs[trigger][0], runs[0][0])
-    assert rel_rms(runs[trigger][1], runs[0][1]) < 5e-4
-    want = ops.exl3_linear(runs[0][0].transpose(1, 2).reshape(1, 1, -1), o, 4096)
-    assert rel_rms(runs[trigger][1], want) < 5e-4
-    _zero_state()
-
-
 def test_deferred_product_alone_is_the_plain_product(chains, monkeypatch):
     o = rand_layer(1024, 1024, 4, 21, bias=True)
     a = torch.randn(1, 1, 1024, device=DEV).half()
@@ -309,27 +282,20 @@ def _synth_model(tmp_path):
     return write_synth_model(tmp_path / "synth", Shape(512, 1024, 2, 4, 2, 512, 128), 4.0, 6, "mul1", seed=5)
 
 
-@pytest.mark.parametrize("which,links,split_mode,early_reads,attn_trigger", [
-    ("fixture", "1", IN_WARP, True, 0), ("synth", "1", IN_WARP, True, 0), ("synth", "attn", IN_WARP, True, 0),
-    ("synth", "gated", IN_WARP, True, 0), ("synth", "normed", IN_WARP, True, 0), ("fixture", "1", FINISH_KERNEL, True, 0),
-    ("synth", "1", FINISH_KERNEL, True, 0), ("synth", "1", FINISH_KERNEL, False, 0), ("synth", "1", FINISH_KERNEL, True, 1),
-    ("synth", "1", FINISH_KERNEL, True, 2)])
+@pytest.mark.parametrize("which,links,split_mode,early_reads", [
+    ("fixture", "1", IN_WARP, True), ("synth", "1", IN_WARP, True), ("synth", "attn", IN_WARP, True),
+    ("synth", "gated", IN_WARP, True), ("synth", "normed", IN_WARP, True), ("fixture", "1", FINISH_KERNEL, True),
+    ("synth", "1", FINISH_KERNEL, True), ("synth", "1", FINISH_KERNEL, False)])
 def test_model_decode_with_chains_matches_without(ref_fixtures, tmp_path, monkeypatch, request, which, links,
-                                                  split_mode, early_reads, attn_trigger):
+                                                  split_mode, early_reads):
     """Decode steps with chains (every link, or one: TRELLIS_CHAIN) against the prep-kernel path:
     the reference's Llama fixture (dims multiples of 128, head dim 64, so every link but
-    attention -> o_proj chains) and a synthetic model of head dim 128 (every link); the last two
-    with decode attention letting its successor launch early (set_attn_trigger 1 and 2)."""
+    attention -> o_proj chains) and a synthetic model of head dim 128 (every link)."""
     from engine.models import load_model
     from tests.test_static_cache import decode_logits
 
     _set_split(split_mode, early_reads)
-    ops.extension().set_attn_trigger(attn_trigger)
-
-    def restore():
-        _restore_split()
-        ops.extension().set_attn_trigger(ops.ATTN_TRIGGER)
-    request.addfinalizer(restore)
+    request.addfinalizer(_restore_split)
     path = ref_fixtures / "exl3" / "llama-4.0bpw-mul1-h6" if which == "fixture" else _synth_model(tmp_path)
     model = load_model(path, device="cuda")
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()

@@ -85,10 +85,6 @@ GV_SPLIT_FINISH = _int_setting("TRELLIS_GV_SPLIT_FINISH", 5)
 # away (csrc/exl3_gemv_finish.cuh, gv_finish_chain_kernel). TRELLIS_FINISH_EARLY_READS=0 reads them after
 # it, as first written (a same-run baseline).
 FINISH_EARLY_READS = os.environ.get("TRELLIS_FINISH_EARLY_READS", "1") != "0"
-# When decode attention lets the kernel after it (o_proj, at batch 1) launch: 0 as
-# TRELLIS_EARLY_TRIGGER says (its end, by default), 1 at its start, 2 after its walks
-# (TRELLIS_ATTN_TRIGGER; csrc/decode_attention.cu, attn_trigger).
-ATTN_TRIGGER = _int_setting("TRELLIS_ATTN_TRIGGER", 0)
 
 # Open sums (engine/ops/open_sums.py): a decode product whose reader is another product's prep
 # leaves its output as split-k sums, which that prep finishes as it reads them. Which readers
@@ -250,7 +246,6 @@ def extension():
         # product's (and decode attention's) start, measured slower; 0 when it ends
         # (csrc/PERF_NOTES.md, sessions 5 and 6).
         _ext.set_early_trigger(_int_setting("TRELLIS_EARLY_TRIGGER", 2))
-        _ext.set_attn_trigger(ATTN_TRIGGER)
         # Whether decode products (m = 1, MUL1 integer path) prep their own input instead of a
         # prep kernel running before each (SELF_PREP, TRELLIS_SELF_PREP).
         _ext.set_self_prep(SELF_PREP)
