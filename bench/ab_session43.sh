@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 43's one device call, on whatever card comes; carry .devcarry/shared. ~450 s.
+# Session 43's second device call (it ran in 268 s on an H100), on whatever card comes; carry
+# .devcarry/shared.
 # The tree: session 42's shipped kernels less the finish spread (TRELLIS_FINISH_SPREAD, measured no
 # faster in session 43's first call and removed; host code and tests only) and the occupancy probe
 # with its illegal access mended.
@@ -7,8 +8,9 @@
 # 2. On an H200: the issue's goals (bench/h200_goals.sh; the shipped build is then cached).
 #    On any other card: bench/occupancy_probe.cu, whose "small" lines failed in the first call.
 # 3. The GPU suite on the debug build.
-# 4. Not on an H200: what bench/ab_session39d.sh (removed once this ran) left unrun: the wgmma form against the synchronous
-#    MMAs (TRELLIS_GV_WGMMA 1 / 0) on products it serves but session 39 timed only at K = 4 MUL1
+# 4. Not on an H200: what bench/ab_session39d.sh (removed once this ran) left unrun: the wgmma
+#    form against the synchronous MMAs (TRELLIS_GV_WGMMA 1 / 0) on products it serves but session
+#    39 timed only at K = 4 MUL1
 #    (K = 2 and 3 x MUL1, 3INST, MCG at 24 and 32 rows of 8192x28672), and on decode at batch 17,
 #    24 and 32.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt

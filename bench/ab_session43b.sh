@@ -15,6 +15,9 @@
 #    utilisation ($OUT/ncu_m32.txt; every raw metric in $OUT/ncu_raw_m32.csv).
 # SHORT=1 (~190 s, for the end of a session's device time): 1, then 2 at context 0 only
 # (0, 2, 1, 0, 2), on any card.
+# Ran in session 43 as SHORT=1, on an H200 (123 s). The trigger setting measured slower and was
+# removed after it, so today the A/B compares one setting with itself; the 32-row ncu ran by hand
+# the same session (csrc/PERF_NOTES.md, calls 5 and 6).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 [ -z "$SHORT" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && { bash bench/h200_goals.sh; exit 0; }
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1

@@ -49,8 +49,8 @@ __device__ __forceinline__ unsigned long long now_ns() {
 }
 
 // Stands in for a product: records its SM, then stays resident for `hold_ns`.
-// Its dynamic shared memory only sizes the launch: the small cases ask for none, so it is not touched
-// (session 43: writing its first word there was an illegal access).
+// Its dynamic shared memory only sizes the launch: the small cases ask for none, so it is not
+// touched (session 43: writing its first word there was an illegal access).
 __global__ void __launch_bounds__(256, 2) placed(unsigned* sm_of_block, unsigned long long hold_ns) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (threadIdx.x == 0) sm_of_block[blockIdx.x] = sm_id();
