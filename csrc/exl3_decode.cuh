@@ -63,12 +63,15 @@ __device__ __forceinline__ half2 as_h2(uint32_t u) { return *reinterpret_cast<ha
 // MUL1 without its affine step: half2(1024 + t0, 1024 + t1), t the byte sums of s * 0x83DCD12D
 // (0x6400 + t is the fp16 of 1024 + t, exactly). value = k_inv * (1024 + t) + k_bias; a product
 // can apply that once per output (k_inv * sum(x h) + k_bias * sum(x)) instead of once per pair.
-__device__ __forceinline__ uint32_t decode_pair_mul1_raw(uint32_t s0, uint32_t s1) {
-    const uint32_t x0 = s0 * 0x83DCD12Du;
-    const uint32_t x1 = s1 * 0x83DCD12Du;
+// mul1_raw_pair: the same from the two products x = s * 0x83DCD12D, where a kernel has them already
+// (lane_products_k4 makes them with one mask fewer).
+__device__ __forceinline__ uint32_t mul1_raw_pair(uint32_t x0, uint32_t x1) {
     const uint32_t t0 = __dp4a(x0, 0x01010101u, 0x6400u);
     const uint32_t t1 = __dp4a(x1, 0x01010101u, 0x6400u);
     return __byte_perm(t0, t1, 0x5410);
+}
+__device__ __forceinline__ uint32_t decode_pair_mul1_raw(uint32_t s0, uint32_t s1) {
+    return mul1_raw_pair(s0 * 0x83DCD12Du, s1 * 0x83DCD12Du);
 }
 
 // Two states -> half2(value(s0), value(s1)); bit-exact with the reference codebooks (spec 2).

@@ -169,15 +169,24 @@ __device__ __forceinline__ void mul1_f16_by_mma(const uint32_t x[8], Mul1SumSele
 // as the 4 half2 registers of an m16n8k16 A fragment (v[0], v[2], v[1], v[3] in MMA order).
 // RAW (MUL1 only): stop before MUL1's affine step (decode_pair_mul1_raw); the product applies it
 // per output. TC (K = 4 MUL1): A12's products with their byte sums by MMAs (mul1_f16_by_mma, `sel`).
-template <int K, int CB, bool RAW = false, bool A12 = false, bool TC = false>
+// PX (K = 4 MUL1 raw): the integer path's products (lane_products_k4<true>: A12, one window's mask
+// by an IMAD), then the byte sums by IDP4A as shipped (mul1_raw_pair): 9 ALU ops and 9 IMADs for
+// the states and products where lane_states_k4 takes 11 ALU ops and 8 IMADs.
+template <int K, int CB, bool RAW = false, bool A12 = false, bool TC = false, bool PX = false>
 __device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, int wa, int wb, int wc, int shift,
                                               uint32_t v[4], Mul1SumSelect sel = Mul1SumSelect(0)) {
     static_assert(!RAW || CB == CB_MUL1, "only MUL1 has a raw decode");
     static_assert(!TC || (K == 4 && CB == CB_MUL1), "byte sums by MMAs: K = 4 MUL1");
+    static_assert(!PX || (K == 4 && RAW && !TC), "the integer path's products: K = 4 MUL1, raw");
     if constexpr (TC) {
         uint32_t x[8];
         lane_products_k4<true>(smem[tile + wa], smem[tile + wb], x);
         mul1_f16_by_mma<RAW>(x, sel, v);
+    } else if constexpr (PX) {
+        uint32_t x[8];
+        lane_products_k4<true>(smem[tile + wa], smem[tile + wb], x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = mul1_raw_pair(x[2 * q], x[2 * q + 1]);
     } else {
         uint32_t st[8];
         gv_states<K, A12>(smem, tile, wa, wb, wc, shift, st);

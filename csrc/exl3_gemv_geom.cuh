@@ -25,6 +25,8 @@ constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles pe
 constexpr int kSaVarSkipEmpty = 45;  // debug: no MMAs for its empty row groups (kSaSkipEmpty)
 constexpr int kSaVarInFinish = 46;   // debug: its warps' output stage compiled in (kSaInFinish), run split
 constexpr int kSaVarWgmmaTcSum = 48;  // debug: its wgmma form with MUL1's byte sums by MMAs (kSaTcSum)
+constexpr int kSaVarWgmmaA12 = 49;       // debug: its wgmma form with the states' A masked once (kSaA12)
+constexpr int kSaVarWgmmaProducts = 50;  // debug: its wgmma form on the integer path's products (kSaProducts)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -61,8 +61,14 @@ namespace trellis {
 // TRELLIS_GV_WGMMA=0, in the same call): 8192x28672 at 17 / 24 / 32 rows 69.2-69.6 / 70.2-70.6 /
 // 73.3-75.6 us against 77.1-77.5 / 76.9-77.0 / 79.5-79.9; 4096x28672 at 32 rows 45.6-45.9 against
 // 47.9-48.1; the two-tile form (4096x14336, 14336x4096 at 32 rows) 0.3-1% faster.
+// CFG 8192 (kSaProducts, session 43, not yet run): MUL1's K = 4 decode through the integer path's
+// products (gv_decode_f16's PX: A12 and one window's mask by an IMAD), ~2 of the wgmma form's ~37.6
+// instructions a tile fewer, its ALU ops 15.75 -> 13 (nvdisasm). Why: ncu puts the 32-row product
+// on the H200 at 66% issue with the ALU pipe its busiest (56%), and 0.6x of fp16 needs ~10% off
+// (csrc/PERF_NOTES.md, session 43). Debug variant 49 runs the wgmma form with A12 alone (kSaA12),
+// 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
-              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096;
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -105,6 +111,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
     constexpr bool kInFinish = (CFG & kSaInFinish) != 0;  // finish_rows > 0 possible (unsplit)
     constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
+    constexpr bool kPx = (CFG & kSaProducts) && K == 4 && RAW && !kTcSum;
     constexpr bool WG = (CFG & kSaWgmma) != 0;
     static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
@@ -274,8 +281,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
                     uint32_t v[4];
-                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb,
-                                                                           wc, shift, v, tc_select);
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum, kPx>(sa_smem, stage + (kr * CT + ct) * TW,
+                                                                                 wa, wb, wc, shift, v, tc_select);
                     av[ct][0] = v[0];  // m16n8k16's A order (mma_16816's arguments)
                     av[ct][1] = v[2];
                     av[ct][2] = v[1];
@@ -301,8 +308,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
                 for (int ct = 0; ct < CT; ++ct) {
                     uint32_t v[4];
-                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum>(sa_smem, stage + (kr * CT + ct) * TW, wa, wb, wc,
-                                                                           shift, v, tc_select);
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum, kPx>(sa_smem, stage + (kr * CT + ct) * TW,
+                                                                                 wa, wb, wc, shift, v, tc_select);
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr)
                         if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
@@ -448,11 +455,13 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46 and 48 force it on (sa_forced), 31 and the other variants (probes
-// and configurations of the version-3 kernel) off. Segment starts must fall on its column groups.
+// Debug variants 30, 32-40, 44-46 and 48-50 force it on (sa_forced), 31 and the other variants
+// (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
+// groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
-           variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum;
+           variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
+           variant == kSaVarWgmmaProducts;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -516,6 +525,16 @@ bool sa_wgmma(const MmArgs& a, int ct) {
     return a.out % span == 0 && segments_start_on(a, span);
 }
 
+// A decode form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts; debug variants
+// 48-50): in the wgmma form where that applies (sa_wgmma, four tiles a unit), else the synchronous.
+template <int K, int CB, int NG, int DECODE>
+cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
+    if constexpr (NG == 4) {
+        if (sa_wgmma<K>(a, 4)) return launch_gemv_sa<K, CB, NG, kSaWgmma | DECODE>(a, stream);
+    }
+    return launch_gemv_sa<K, CB, NG, DECODE>(a, stream);
+}
+
 // The fp16 path of the version-3 product for one K, codebook and group count.
 template <int K, int CB, int NG>
 cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -541,12 +560,9 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);
             if (variant == kSaVarInFinish) return launch_gemv_sa<K, CB, NG, kSaInFinish>(a, stream);
-            if (variant == kSaVarWgmmaTcSum) {
-                if constexpr (NG == 4) {
-                    if (sa_wgmma<K>(a, 4)) return launch_gemv_sa<K, CB, NG, kSaWgmma | kSaTcSum>(a, stream);
-                }
-                return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
-            }
+            if (variant == kSaVarWgmmaTcSum) return launch_gemv_sa_decode<K, CB, NG, kSaTcSum>(a, stream);
+            if (variant == kSaVarWgmmaA12) return launch_gemv_sa_decode<K, CB, NG, kSaA12>(a, stream);
+            if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -62,7 +62,7 @@ def template_args(names, kernel: str) -> list[list[str]]:
 
 # The block-shared kernel's CFG bits (csrc/exl3_gemv_sa.cuh: kSaTcSum, kSaTwoTiles, kSaInFinish,
 # kSaWgmma).
-SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA = 128, 512, 2048, 4096
+SA_A12, SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA, SA_PRODUCTS = 64, 128, 512, 2048, 4096, 8192
 
 
 def sa_cfgs(names) -> list[int]:

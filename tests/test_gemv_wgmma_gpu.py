@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run, rand_layer, rel_rms,  # noqa: E402
-                               sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run,  # noqa: E402
+                               rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -68,17 +68,19 @@ def test_wgmma_form_matches_reference(K, cb):
     assert workspaces_zero()
 
 
-def test_wgmma_form_with_byte_sums_by_mmas():
-    """Debug variant 48 (session 40's A/B): the wgmma form with MUL1's byte sums by MMAs runs on
-    Hopper (elsewhere the synchronous form with them, variant 40's) and gives the reference's
-    product, and the shipped form's up to fp32 summation order."""
-    t = rand_layer(2048, 1536, 4, "mul1", seed=48, bias=True)
+@pytest.mark.parametrize("variant,decode", [(48, SA_TC_SUM), (49, SA_A12), (50, SA_PRODUCTS)])
+def test_wgmma_form_with_other_decodes(variant, decode):
+    """Debug variants 48-50 (A/B forms): the wgmma form with MUL1's byte sums by MMAs (48), with
+    the states' A masked once (49), or on the integer path's products (50) runs on Hopper
+    (elsewhere the synchronous form with that decode) and gives the reference's product, and the
+    shipped form's up to fp32 summation order."""
+    t = rand_layer(2048, 1536, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
     for rows in (17, 24, 32):
         x = torch.randn(rows, 2048, device=DEV).half()
         run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
-        with ops.debug_variant(48):
-            assert _sa_cfgs(run) == [SA_TC_SUM | (SA_WGMMA if HOPPER else 0)], rows
+        with ops.debug_variant(variant):
+            assert _sa_cfgs(run) == [decode | (SA_WGMMA if HOPPER else 0)], rows
             y = run()
         with ops.debug_variant(30):  # the block-shared kernel, shipped configuration
             y_shipped = run()
