@@ -62,11 +62,11 @@ namespace trellis {
 // 73.3-75.6 us against 77.1-77.5 / 76.9-77.0 / 79.5-79.9; 4096x28672 at 32 rows 45.6-45.9 against
 // 47.9-48.1; the two-tile form (4096x14336, 14336x4096 at 32 rows) 0.3-1% faster.
 // CFG 8192 (kSaProducts, session 43, not yet run): MUL1's K = 4 decode through the integer path's
-// products (gv_decode_f16's PX: A12 and one window's mask by an IMAD), ~2 of the wgmma form's ~37.6
-// instructions a tile fewer, its ALU ops 15.75 -> 13 (nvdisasm). Why: ncu puts the 32-row product
-// on the H200 at 66% issue with the ALU pipe its busiest (56%), and 0.6x of fp16 needs ~10% off
-// (csrc/PERF_NOTES.md, session 43). Debug variant 49 runs the wgmma form with A12 alone (kSaA12),
-// 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
+// products (gv_decode_f16's PX: A12 and one window's mask by an IMAD): by nvdisasm of the wgmma
+// form's loop, 38.0 instructions a tile against 39.0, ALU ops 13.9 against 15.9. Why: ncu puts the
+// 32-row product on the H200 at 66% issue with the ALU pipe its busiest (56%), and 0.6x of fp16
+// needs ~10% off (csrc/PERF_NOTES.md, session 43). Debug variant 49 runs the wgmma form with A12
+// alone (kSaA12), 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192;
 template <int K, int NG, int CFG = 0>
