@@ -183,23 +183,19 @@ inline SmemLimits device_smem_limits() {
             current_device_attr<cudaDevAttrReservedSharedMemoryPerBlock>()};
 }
 
-// Dynamic shared memory of at least smem with which at most `blocks` blocks fit on an SM (with the
-// system's reservation per block), where the device says how much an SM has and that many such
-// blocks still fit; smem itself otherwise. Why: the block scheduler packs a programmatic
-// dependent's blocks as deep as they fit (bench/occupancy_probe.cu, session 42), and padding is
-// the one way a launch can say how many may share an SM.
-inline size_t smem_for_at_most(size_t smem, int blocks) {
-    const SmemLimits lim = device_smem_limits();
-    if (lim.per_sm <= 0 || blocks <= 0) return smem;
-    const size_t need = ((size_t)lim.per_sm / (blocks + 1) - lim.reserved + 1 + 127) / 128 * 128;
-    if (need <= smem || need > (size_t)lim.per_block || (need + lim.reserved) * blocks > (size_t)lim.per_sm) return smem;
-    return need;
-}
-
-// A product launch's dynamic shared memory: smem, or under gemv_block_cap (exl3_mm.cuh) enough
-// that at most the minb blocks its grid is sized for fit on an SM.
+// A product launch's dynamic shared memory: smem, or under gemv_block_cap (exl3_mm.cuh) at least
+// smem with which at most the minb blocks its grid is sized for fit on an SM (with the system's
+// reservation per block), where the device says how much an SM has and that many such blocks
+// still fit. Why: the block scheduler packs a programmatic dependent's blocks as deep as they fit
+// (bench/occupancy_probe.cu, session 42), and padding is the one way a launch can say how many
+// may share an SM.
 inline size_t gv_capped_smem(size_t smem, int minb) {
-    return gemv_block_cap() ? smem_for_at_most(smem, minb) : smem;
+    if (!gemv_block_cap()) return smem;
+    const SmemLimits lim = device_smem_limits();
+    if (lim.per_sm <= 0 || minb <= 0) return smem;
+    const size_t need = ((size_t)lim.per_sm / (minb + 1) - lim.reserved + 1 + 127) / 128 * 128;
+    if (need <= smem || need > (size_t)lim.per_block || (need + lim.reserved) * minb > (size_t)lim.per_sm) return smem;
+    return need;
 }
 
 // Whether `minb` blocks of `bytes` of dynamic shared memory each fit on one SM (and one fits the
