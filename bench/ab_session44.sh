@@ -9,6 +9,10 @@
 # 2. bench.linear --variants 30 49 50 (30: the shipped block-shared kernel) in one process, twice:
 #    K = 4 MUL1 at 17, 24 and 32 rows of 8192x28672 and 4096x28672, dense fp16 in the same run.
 # 3. On an H200, then the issue's goals (bench/h200_goals.sh, its own shipped build).
+# 4. If time is left (under 470 s so far): ncu of 8 rows of 8192x28672 on the integer path
+#    (TRELLIS_INT8=1: 78 against 52 us on the fp16 path, session 37, on paper 30 against 45
+#    instructions a tile) and on the fp16 path: registers, occupancy, issue, pipes, stalls, to say
+#    why the integer path loses at 5..8 rows.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 export SKIP_GPU_TESTS=1  # the wgmma tests alone, below
 source bench/gpu_common.sh
@@ -21,4 +25,15 @@ for pass in 1 2; do
     --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 30 49 50 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 done
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/h200_goals.sh; fi
+if [ $(el) -lt 470 ]; then
+  for i8 in 1 0; do
+    echo "== ncu 8 rows, TRELLIS_INT8=$i8 $(el)s" | tee -a $L
+    TRELLIS_INT8=$i8 timeout 60 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --metrics smsp__inst_executed.sum \
+      python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 8 > $OUT/ncu_m8_i8_$i8.txt 2>&1
+    grep -E "exl3_gemv|Duration|Registers Per|Achieved Occ|Theoretical Occ|Block Limit|Issue Slots Busy|Eligible|No Eligible|inst_executed|Pipe|Stall|Local|spill" \
+      $OUT/ncu_m8_i8_$i8.txt | head -40 | tee -a $L
+  done
+fi
 echo "== done $(el)s" | tee -a $L
