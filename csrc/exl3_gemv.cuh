@@ -930,6 +930,9 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
             }
         }
         if (variant != 0 && gv_shipped_schedule(variant)) return launch_gemv_schedule<K, CB, PATH, NG>(a, variant, stream);
+        if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8 && NG == 2) {  // CFG 13 (exl3_gemv_geom.cuh)
+            if (variant == kGvVarI8FourRows && a.in % 64 == 0) return launch_gemv_var<K, CB, PATH, NG, 0, 13>(a, stream);
+        }
         if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
             switch (variant) {
                 case 10: return launch_gemv_var<K, CB, PATH, NG, 0, 0>(a, stream);  // one k row per unit always

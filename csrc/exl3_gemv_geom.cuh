@@ -27,6 +27,7 @@ constexpr int kSaVarInFinish = 46;   // debug: its warps' output stage compiled 
 constexpr int kSaVarWgmmaTcSum = 48;  // debug: its wgmma form with MUL1's byte sums by MMAs (kSaTcSum)
 constexpr int kSaVarWgmmaA12 = 49;       // debug: its wgmma form with the states' A masked once (kSaA12)
 constexpr int kSaVarWgmmaProducts = 50;  // debug: its wgmma form on the integer path's products (kSaProducts)
+constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows in four-k-row units (CFG 13)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;
@@ -91,6 +92,11 @@ __host__ __device__ constexpr int gv_stages() {
 // blocks at 80 registers (sessions 10 and 30; on an H100, one row of 8192x28672: two k rows per
 // unit 26-66% slower than CFG 10, their loops spilling; four k rows of 4 tiles 8% slower, and 4%
 // faster only at 14336x4096).
+// CFG 13 (debug variant 51, session 44, not yet run): the integer path's two row groups (5..8 rows)
+// in CFG 10's four-k-row units of its own 4 tiles. Why: there it runs CFG 0, one k row of 4 tiles a
+// unit, and took 78 us at 8 rows of 8192x28672 against the fp16 path's 52 (H100, session 37)
+// though on paper it needs ~30 instructions a tile against ~45: the per-unit work (ring wait and
+// issue, B loads, loop) is paid once per 4 tiles there, once per 32 in CFG 10.
 struct GvTune {
     int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
 };
@@ -105,6 +111,7 @@ __host__ __device__ constexpr GvTune gv_tune(int cfg) {
            : cfg == 8 ? GvTune{8, 4, 2, 2}
            : cfg == 9 ? GvTune{8, 3, 2, 2}
            : cfg == 10 ? GvTune{8, 2, 2, 4}
+           : cfg == 13 ? GvTune{4, 2, 2, 4}
                        : GvTune{0, 0, 2};
 }
 

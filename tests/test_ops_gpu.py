@@ -117,6 +117,25 @@ def test_occupancy_configurations_match_reference(variant):
     assert workspaces_zero()
 
 
+@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 14336)])
+def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out):
+    """Debug variant 51 (CFG 13): the integer path's 5..8 rows in units of four k rows of 4 tiles
+    (shipped: one k row) give the reference's product and the shipped kernel's up to fp32
+    summation order, with a bias; at 1..4 rows (one group) the variant runs the shipped kernel."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
+    ref_w = fmt.reconstruct(t.trellis, "mul1")
+    for rows in (2, 5, 7, 8):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        x[:, 3] = 12.0
+        y0 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        with ops.debug_variant(51):
+            y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
+        assert rel_rms(y, ref) < 2e-3, (rows, rel_rms(y, ref))
+        assert rel_rms(y, y0) < 1e-3, rows
+    assert workspaces_zero()
+
+
 @pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672)])
 def test_decode_split_between_alu_and_fma_pipes_gives_the_same_product(n_in, n_out):
     """The K = 4 MUL1 integer path takes the product s * M of one state per window as W * M -
