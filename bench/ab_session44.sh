@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 44's one call, on whatever card comes; carry .devcarry/shared. At most ~570 s: each part
+# Session 44's one call, on whatever card comes; carry .devcarry/shared. At most ~570 s (CALL_S): each part
 # after the first runs only if the call's clock leaves it room.
 # 1. On an H200, first the issue's goals (bench/h200_goals.sh, its own shipped build).
 # 2. The debug build; the wgmma tests and variant 51's (tests/test_gemv_wgmma_gpu.py, the
@@ -20,7 +20,7 @@
 # 6. Second passes of 3 and 4 where time is left.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
-left() { echo $(( 570 - ($(date +%s) - t_call) )); }
+left() { echo $(( ${CALL_S:-570} - ($(date +%s) - t_call) )); }
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/h200_goals.sh; fi
 export SKIP_GPU_TESTS=1  # the tests below alone
 source bench/gpu_common.sh
@@ -59,4 +59,4 @@ if [ $(left) -gt 90 ]; then
 fi
 [ $(left) -gt 110 ] && variants_pass 2
 [ $(left) -gt 140 ] && int8_pass 2
-echo "== done $(el)s, $(left) s of the call's 570 left" | tee -a $L
+echo "== done $(el)s, $(left) s of the call's ${CALL_S:-570} left" | tee -a $L
