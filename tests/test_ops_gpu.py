@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.ops import token_pick  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import capture, kernel_names, kernels_run, rand_layer, rel_rms, workspaces_zero  # noqa: E402
+from tests.gpu_layers import (capture, kernel_names, kernels_run, rand_layer, rel_rms, template_args,  # noqa: E402
+                               workspaces_zero)
 
 CODEBOOKS = ["3inst", "mcg", "mul1"]
 DEV = torch.device("cuda")
@@ -121,15 +122,24 @@ def test_occupancy_configurations_match_reference(variant):
 def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out):
     """Debug variant 51 (CFG 13): the integer path's 5..8 rows in units of four k rows of 4 tiles
     (shipped: one k row) give the reference's product and the shipped kernel's up to fp32
-    summation order, with a bias; at 1..4 rows (one group) the variant runs the shipped kernel."""
+    summation order, with a bias; at 1..4 rows (one group) the variant runs the shipped kernel.
+    Which kernel ran is read from the profiler's names (exl3_gemv_kernel<K, CB, PATH, NG, VAR,
+    CFG, ...>), so a dispatch that fell through to the shipped kernel would fail here."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
+
+    def groups_and_cfgs(run):
+        names = kernels_run(run, "exl3_gemv_kernel")
+        return {(int(a[3]), int(a[5])) for a in template_args(names, "exl3_gemv_kernel")}
+
     for rows in (2, 5, 7, 8):
         x = torch.randn(rows, n_in, device=DEV).half()
         x[:, 3] = 12.0
-        y0 = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)  # noqa: E731
+        y0, shipped = run(), groups_and_cfgs(run)
         with ops.debug_variant(51):
-            y = ops.exl3_gemm(x, t, mode="fused", int8=True, version=3)
+            y, ran = run(), groups_and_cfgs(run)
+        assert ran == ({(2, 13)} if rows > 4 else shipped), (rows, ran, shipped)
         ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
         assert rel_rms(y, ref) < 2e-3, (rows, rel_rms(y, ref))
         assert rel_rms(y, y0) < 1e-3, rows
