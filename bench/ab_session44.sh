@@ -5,8 +5,9 @@
 # 2. The debug build; the wgmma tests and variant 51's (tests/test_gemv_wgmma_gpu.py, the
 #    four_row_units test of tests/test_ops_gpu.py).
 # 3. Debug variants 49 and 50 (written in session 43, not yet run) against the shipped block-shared
-#    wgmma kernel (variant 30): 49, its K = 4 MUL1 decode with the states' A masked once (A12); 50,
-#    through the integer path's products (A12 and one window's mask by an IMAD). nvdisasm of the
+#    wgmma kernel (bench.linear's plain rows; variant 30 is that kernel's synchronous form, not it):
+#    49, its K = 4 MUL1 decode with the states' A masked once (A12); 50, through the integer path's
+#    products (A12 and one window's mask by an IMAD). nvdisasm of the
 #    loop: 38.0 instructions a tile against 39.0, ALU ops 14.9 / 13.9 against 15.9 (csrc/
 #    PERF_NOTES.md, session 43). Why: ncu puts the 32-row product on the H200 at 66% issue, the ALU
 #    pipe its busiest; 0.6x of fp16 needs ~10%. K = 4 MUL1 at 17, 24 and 32 rows of 8192x28672 and
@@ -31,15 +32,15 @@ if [ $(left) -gt 150 ]; then
   grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_wgmma.txt | head -12 | tee -a $L
 fi
 variants_pass() {
-  echo "== variants 30 / 49 / 50, pass $1 $(el)s" | tee -a $L
+  echo "== shipped (plain rows) / variants 49 / 50, pass $1 $(el)s" | tee -a $L
   timeout 100 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
-    --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 30 49 50 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+    --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 49 50 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 }
 int8_pass() {
-  echo "== integer path at 5 / 8 rows: shipped (variant 0) and variant 51; fp16 path, pass $1 $(el)s" | tee -a $L
+  echo "== integer path at 5 / 8 rows: shipped (plain rows) and variant 51; fp16 path, pass $1 $(el)s" | tee -a $L
   TRELLIS_INT8=1 timeout 80 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 \
-    --paths fused --shapes 8192x28672 4096x14336 14336x4096 --m 5 8 --variants 0 51 2>&1 | python3 -c "$SUM" \
-    | grep linear_tune | tee -a $L
+    --paths fused --shapes 8192x28672 4096x14336 14336x4096 --m 5 8 --variants 51 2>&1 | python3 -c "$SUM" \
+    | grep -v '^{' | tee -a $L
   timeout 50 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 \
     --paths fused --shapes 8192x28672 4096x14336 14336x4096 --m 5 8 2>&1 | python3 -c "$SUM" | grep -v '^{' \
     | sed 's/^/f16 /' | tee -a $L

@@ -73,7 +73,7 @@ def test_wgmma_form_with_other_decodes(variant, decode):
     """Debug variants 48-50 (A/B forms): the wgmma form with MUL1's byte sums by MMAs (48), with
     the states' A masked once (49), or on the integer path's products (50) runs on Hopper
     (elsewhere the synchronous form with that decode) and gives the reference's product, and the
-    shipped form's up to fp32 summation order."""
+    shipped decode's (variant 30: the synchronous form, CFG 0) up to fp32 summation order."""
     t = rand_layer(2048, 1536, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
     for rows in (17, 24, 32):
@@ -82,7 +82,7 @@ def test_wgmma_form_with_other_decodes(variant, decode):
         with ops.debug_variant(variant):
             assert _sa_cfgs(run) == [decode | (SA_WGMMA if HOPPER else 0)], rows
             y = run()
-        with ops.debug_variant(30):  # the block-shared kernel, shipped configuration
+        with ops.debug_variant(30):  # the block-shared kernel, CFG 0 (synchronous MMAs, shipped decode)
             y_shipped = run()
         assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
         assert rel_rms(y, y_shipped) < 1e-3, rows
