@@ -67,6 +67,10 @@ namespace trellis {
 // 32-row product on the H200 at 66% issue with the ALU pipe its busiest (56%), and 0.6x of fp16
 // needs ~10% off (csrc/PERF_NOTES.md, session 43). Debug variant 49 runs the wgmma form with A12
 // alone (kSaA12), 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
+// Session 45 (H100, bench/ab_session44.sh, two passes against the shipped wgmma form in the same
+// call): 49 1.2-2.4% faster at 17 / 24 / 32 rows of 8192x28672 (66.5-73.1 us against 68.1-74.1)
+// and 0.1-2.1% at 4096x28672; 50 within -1.1..+3.1%. So K = 4 MUL1's wgmma form (four tiles a unit)
+// ships with A12 since then (sa_wgmma_cfg); debug variant 53 runs it without, as before.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192;
 template <int K, int NG, int CFG = 0>
@@ -455,13 +459,13 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46 and 48-50 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50 and 53 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -525,8 +529,15 @@ bool sa_wgmma(const MmArgs& a, int ct) {
     return a.out % span == 0 && segments_start_on(a, span);
 }
 
+// The shipped wgmma form's CFG at four tiles a unit: K = 4 MUL1 with A12 (session 45), else plain.
+template <int K, int CB>
+constexpr int sa_wgmma_cfg() {
+    return kSaWgmma | (K == 4 && CB == CB_MUL1 ? kSaA12 : 0);
+}
+
 // A decode form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts; debug variants
-// 48-50): in the wgmma form where that applies (sa_wgmma, four tiles a unit), else the synchronous.
+// 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45): in the wgmma form
+// where that applies (sa_wgmma, four tiles a unit), else the synchronous.
 template <int K, int CB, int NG, int DECODE>
 cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
     if constexpr (NG == 4) {
@@ -545,7 +556,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if constexpr (K <= 4) {
                 if (variant == 0 && sa_wgmma<K>(a, two ? 2 : 4))
                     return two ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma>(a, stream)
-                               : launch_gemv_sa<K, CB, NG, kSaWgmma>(a, stream);
+                               : launch_gemv_sa<K, CB, NG, sa_wgmma_cfg<K, CB>()>(a, stream);
             }
             if (two) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
@@ -563,6 +574,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaTcSum) return launch_gemv_sa_decode<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarWgmmaA12) return launch_gemv_sa_decode<K, CB, NG, kSaA12>(a, stream);
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
+            if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -415,6 +415,32 @@ __device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2
     }
 }
 
+// store_i8_chunk in the compact form (gv_compact_b, debug variant 52): each pass's level once, as
+// byte `slot` of the B lane's one word (the self prep slots' form, sp_store_chunk), so a k row of a
+// group is 128 bytes instead of 512.
+__device__ __forceinline__ void store_i8_compact_chunk(uint32_t* __restrict__ xb, float2* __restrict__ scales,
+                                                       float* __restrict__ csum, int r, int c, int nch, int ng,
+                                                       int lane, const float f[4]) {
+    const Int8Chunk ch(f);
+    const int k = c * 128 + lane * 4;
+    const int kk0 = k & 15;
+    uint8_t* xb8 = reinterpret_cast<uint8_t*>(xb + ((size_t)(k >> 4) * ng + (r >> 2)) * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int kk = kk0 + q;
+        const int cq = (kk & 7) >> 1;
+        const int slot = (kk & 1) + 2 * (kk >> 3);
+        int q1, q2;
+        ch.levels(f[q], q1, q2);
+        xb8[((2 * (r & 3)) * 4 + cq) * 4 + slot] = (uint8_t)(q1 & 0xff);
+        xb8[((2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = (uint8_t)(q2 & 0xff);
+    }
+    if (lane == 0) {
+        scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
+        csum[(size_t)r * nch + c] = ch.sum;
+    }
+}
+
 // What decode chain mode 1 reads besides the block's outputs, at the lane's 4 columns of block
 // blk: the residual (rv), the norm's weight (w) and each segment's input signs (sv).
 struct NormedLoads {
