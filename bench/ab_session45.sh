@@ -14,9 +14,9 @@
 #    shipped choice) in the same run. Why: 51 took 60.4-61.2 us at 8 rows of 8192x28672 against the
 #    fp16 path's 52.5-53.1 (H100, first call) though its loop has ~27 instructions a tile against
 #    ~38; its activations are 4x repeated in memory, 1 KB a k row beside 512 bytes of trellis.
-# 5. ncu of 8 rows of 8192x28672 under 51 and 52: stalls per issue, pipes, L2, to say what holds
+# 5. ncu of 8 rows of 8192x28672 under 52 and 51: stalls per issue, pipes, L2, to say what holds
 #    the integer path there if not the issue slots.
-# 6. Second passes of 3 and 4 where time is left.
+# Order: 2, 4, 5, 3, then second passes of 4 and 3 where time is left.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-540} - ($(date +%s) - t_call) )); }
@@ -24,7 +24,7 @@ left() { echo $(( ${CALL_S:-540} - ($(date +%s) - t_call) )); }
 if [ ${CALL_S:-540} -ge 500 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/h200_goals.sh; fi
 export SKIP_GPU_TESTS=1  # the tests below alone
 source bench/gpu_common.sh
-if [ $(left) -gt 150 ]; then
+if [ $(left) -gt 130 ]; then
   echo "== tests: wgmma, variants 51 / 52 $(el)s" | tee -a $L
   timeout 120 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py tests/test_ops_gpu.py \
     -k "wgmma or four_row_units or compact or occupancy or grouped" > $OUT/pytest_45.txt 2>&1
@@ -44,10 +44,10 @@ int8_pass() {
     --paths fused --shapes 8192x28672 4096x14336 14336x4096 --m 5 8 2>&1 | python3 -c "$SUM" | grep -v '^{' \
     | sed 's/^/f16 /' | tee -a $L
 }
-[ $(left) -gt 110 ] && int8_pass 1
-[ $(left) -gt 90 ] && wgmma_pass 1
-if [ $(left) -gt 90 ]; then
-  for v in 51 52; do
+[ $(left) -gt 100 ] && int8_pass 1
+if [ $(left) -gt 50 ]; then
+  for v in 52 51; do
+    [ $(left) -gt 50 ] || break
     echo "== ncu 8 rows, integer path, variant $v $(el)s" | tee -a $L
     TRELLIS_INT8=1 TRELLIS_GV_VARIANT=$v timeout 45 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
@@ -57,6 +57,7 @@ if [ $(left) -gt 90 ]; then
       $OUT/ncu_m8_v$v.txt | awk '$NF != "0" && $NF != "0.00"' | head -40 | tee -a $L
   done
 fi
+[ $(left) -gt 70 ] && wgmma_pass 1
 [ $(left) -gt 100 ] && int8_pass 2
 [ $(left) -gt 70 ] && wgmma_pass 2
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-540} left" | tee -a $L
