@@ -162,10 +162,7 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
         return;
     }
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
-    if (compact_i8)
-        store_i8_compact_chunk(xb, scales, csum, r, c, nch, ng, lane, f);
-    else
-        store_i8_chunk(xb, scales, csum, r, c, nch, ng, lane, f);
+    store_i8_chunk(xb, scales, csum, r, c, nch, ng, lane, f, compact_i8);
 }
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
