@@ -406,18 +406,17 @@ __device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2
         const int kk = kk0 + q;
         const int cq = (kk & 7) >> 1;
         const int slot = (kk & 1) + 2 * (kk >> 3);
-        const size_t l1 = fb + (2 * (r & 3)) * 4 + cq, l2 = l1 + 4;  // the B lanes of the two passes
         if (compact) {
             int q1, q2;
             ch.levels(f[q], q1, q2);
             uint8_t* xb8 = reinterpret_cast<uint8_t*>(xb);
-            xb8[l1 * 4 + slot] = (uint8_t)(q1 & 0xff);
-            xb8[l2 * 4 + slot] = (uint8_t)(q2 & 0xff);
+            xb8[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = (uint8_t)(q1 & 0xff);
+            xb8[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = (uint8_t)(q2 & 0xff);
         } else {
             uint32_t w1, w2;
             ch.passes(f[q], w1, w2);
-            xb[l1 * 4 + slot] = w1;
-            xb[l2 * 4 + slot] = w2;
+            xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
+            xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
         }
     }
     if (lane == 0) {
