@@ -4,7 +4,8 @@
 # 1. On an H200 with CALL_S >= 500, first the issue's goals (bench/h200_goals.sh, its own shipped
 #    build), which now include the K = 4 MUL1 wgmma form with A12 (session 45; variant 49 until then).
 # 2. The debug build; the wgmma tests and variants 51 / 52's (test_gemv_wgmma_gpu.py; the
-#    four_row_units and compact tests of test_ops_gpu.py).
+#    four_row_units and compact tests of test_ops_gpu.py), with the occupancy and grouped-product
+#    tests beside them.
 # 3. The shipped wgmma form (A12 now: bench.linear's plain rows) against debug variant 53 (the form
 #    shipped until now) at 17, 24 and 32 rows of 8192x28672 and 4096x28672, dense fp16 in the same
 #    run. Why: the first call (H100) measured 49 1.2-2.4% faster on 8192x28672; this confirms it

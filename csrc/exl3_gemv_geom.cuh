@@ -128,8 +128,9 @@ enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
 // slots' form; the kernel repeats them by PRMT), instead of those 4 registers as stored. CFG 14
 // (debug variant 52) only. Why: at two groups the stored form is 1 KB a k row beside 512 bytes of
 // trellis, and every warp of a column group reads it from L2: 235 MB at 8 rows of 8192x28672
-// against the 117 MB of trellis from DRAM (~5.8 TB/s from L2 in variant 51's 61 us on an H100).
-// Compact, 59 MB, for 10 more instructions a k row (2 loads, 2 selects and 8 PRMTs for 2 loads).
+// against the 117 MB of trellis from DRAM (an estimate: ~5.8 TB/s from L2 in variant 51's 61 us
+// on an H100). Compact, 59 MB, for 10 more instructions a k row (2 loads, 2 selects and 8 PRMTs in
+// place of 2 loads).
 __host__ __device__ constexpr bool gv_compact_b(int cfg) { return cfg == 14; }
 
 // Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x

@@ -47,7 +47,8 @@ def test_wgmma_form_matches_reference(K, cb):
     """Every K <= 4 and codebook, four row groups with two tiles a unit (25..32 rows) and four
     (17..24), a bias, and a shape with several k slices: on Hopper the wgmma form runs and gives
     the reference's product, and the synchronous form's up to fp32 summation order; off it (or on
-    another GPU) the synchronous form runs."""
+    another GPU) the synchronous form runs. K = 4 MUL1's wgmma form at four tiles a unit masks the
+    states' A once (kSaA12, shipped since session 45); the synchronous form keeps CFG 0."""
     ext = ops.extension()
     t = rand_layer(2048, 1536, K, cb, seed=40 + K, bias=True)
     w = fmt.reconstruct(t.trellis, cb)
@@ -59,7 +60,9 @@ def test_wgmma_form_matches_reference(K, cb):
             y_on, cfg_on, y_off, cfg_off = _both_forms(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
             assert len(cfg_on) == 1 and bool(cfg_on[0] & SA_WGMMA) == HOPPER, (rows, cfg_on)
             assert cfg_on[0] & SA_TWO_TILES == (SA_TWO_TILES if rows > 24 else 0), (rows, cfg_on)
-            assert cfg_off == [cfg_on[0] & ~SA_WGMMA], (rows, cfg_on, cfg_off)
+            a12 = HOPPER and K == 4 and cb == "mul1" and rows <= 24
+            assert bool(cfg_on[0] & SA_A12) == a12, (rows, cfg_on)
+            assert cfg_off == [cfg_on[0] & ~(SA_WGMMA | SA_A12)], (rows, cfg_on, cfg_off)
             want = fmt.exl3_matmul_reference(x.float(), t, w)
             assert rel_rms(y_on, want) < 2e-3, (rows, rel_rms(y_on, want))
             assert rel_rms(y_on, y_off) < 1e-3, rows

@@ -152,13 +152,17 @@ def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out, 
 def test_compact_activations_in_grouped_products():
     """Debug variant 52's compact activations in a grouped product (three linears sharing an input,
     each segment with its own input signs, so its own activations at its own offset in prep_frag's
-    output): at 6 rows on the integer path, each member's output against the reference."""
+    output): at 6 rows on the integer path, each member's output against the reference, and from
+    the profiler's kernel names that CFG 14 ran (two groups)."""
     outs = (512, 256, 256)
     members = [rand_layer(1024, n, 4, "mul1", seed=450 + i, bias=(i == 1)) for i, n in enumerate(outs)]
     x = torch.randn(6, 1024, device=DEV).half()
     g = ops.join_linears(members)
+    run = lambda: ops.exl3_gemm_group(x, g, mode="fused", int8=True)  # noqa: E731
     with ops.debug_variant(52):
-        ys = ops.exl3_gemm_group(x, g, mode="fused", int8=True)
+        ys = run()
+        names = kernels_run(run, "exl3_gemv_kernel")
+    assert {(int(a[3]), int(a[5])) for a in template_args(names, "exl3_gemv_kernel")} == {(2, 14)}, names
     for y, t in zip(ys, members):
         ref = fmt.exl3_matmul_reference(x.float(), t, fmt.reconstruct(t.trellis, "mul1"))
         assert rel_rms(y, ref) < 2e-3, rel_rms(y, ref)
