@@ -69,8 +69,9 @@ namespace trellis {
 // alone (kSaA12), 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
 // Session 45 (H100, bench/ab_session44.sh, two passes against the shipped wgmma form in the same
 // call): 49 1.2-2.4% faster at 17 / 24 / 32 rows of 8192x28672 (66.5-73.1 us against 68.1-74.1)
-// and 0.1-2.1% at 4096x28672; 50 within -1.1..+3.1%. So K = 4 MUL1's wgmma form (four tiles a unit)
-// ships with A12 since then (sa_wgmma_cfg); debug variant 53 runs it without, as before.
+// and 0.1-2.1% at 4096x28672; 50 0-3.1% faster, about the same. So K = 4 MUL1's wgmma form (four
+// tiles a unit) ships with A12 alone, the smaller change, since then (sa_wgmma_cfg); debug variant
+// 53 runs it without, as before.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192;
 template <int K, int NG, int CFG = 0>
