@@ -5,7 +5,8 @@
 #    build), which now include the K = 4 MUL1 wgmma form with A12 (session 45; variant 49 until then).
 # 2. The debug build; the wgmma tests and variants 51 / 52's (test_gemv_wgmma_gpu.py; the
 #    four_row_units and compact tests of test_ops_gpu.py), with the occupancy and grouped-product
-#    tests beside them.
+#    tests beside them, and test_gemv_shared_gpu.py's two-tile dispatch and output-stage tests
+#    (which read the block-shared kernel's CFG, A12 now included).
 # 3. The shipped wgmma form (A12 now: bench.linear's plain rows) against debug variant 53 (the form
 #    shipped until now) at 17, 24 and 32 rows of 8192x28672 and 4096x28672, dense fp16 in the same
 #    run. Why: the first call (H100) measured 49 1.2-2.4% faster on 8192x28672; this confirms it
@@ -27,8 +28,9 @@ export SKIP_GPU_TESTS=1  # the tests below alone
 source bench/gpu_common.sh
 if [ $(left) -gt 130 ]; then
   echo "== tests: wgmma, variants 51 / 52 $(el)s" | tee -a $L
-  timeout 120 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py tests/test_ops_gpu.py \
-    -k "wgmma or four_row_units or compact or occupancy or grouped" > $OUT/pytest_45.txt 2>&1
+  timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py tests/test_ops_gpu.py \
+    tests/test_gemv_shared_gpu.py -k "wgmma or four_row_units or compact or occupancy or grouped or two_tiles or output_stage" \
+    > $OUT/pytest_45.txt 2>&1
   grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_45.txt | head -12 | tee -a $L
 fi
 wgmma_pass() {
