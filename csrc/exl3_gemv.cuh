@@ -98,6 +98,13 @@ __device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa
     }
 }
 
+// An integer-path B lane's 4 registers from its packed word (the self prep slots' and the compact
+// activations' form): byte j of w repeated in the 4 bytes of register j, as the IMMAs take it.
+__device__ __forceinline__ uint4 b_of_packed_word(uint32_t w) {
+    return make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111), __byte_perm(w, 0u, 0x2222),
+                      __byte_perm(w, 0u, 0x3333));
+}
+
 // Self prep (SP, decode at m = 1 on the integer path): the warp's lane preps its 4 values of one
 // 128-chunk (x is already in `xv` order: prep_lane_xh) into the chunk slot at word `slot`:
 // data word ((pass * 8 + k row) * 4 + cq) holds the int8 values a B lane (pass, cq) needs for
@@ -697,15 +704,13 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     const uint32_t* slot = gv_smem + sp_base + c_slot_sp * kSpSlotWords;
                     const int krow = (c_row + kr) & 7;
                     const uint32_t w = lane < 8 ? slot[((lane >> 2) * 8 + krow) * 4 + (lane & 3)] : 0u;
-                    b[0] = make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111),
-                                      __byte_perm(w, 0u, 0x2222), __byte_perm(w, 0u, 0x3333));
+                    b[0] = b_of_packed_word(w);
                     cpart += __uint_as_float(slot[kSpRowSumWord + krow]);
                 } else if constexpr (kCompactB) {  // rows past m: never written, so masked here
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
                         const uint32_t w = has_b[gr] ? gv_smem[base + CT * TW + gr * 32 + lane] : 0u;
-                        b[gr] = make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111),
-                                           __byte_perm(w, 0u, 0x2222), __byte_perm(w, 0u, 0x3333));
+                        b[gr] = b_of_packed_word(w);
                     }
                 } else {
 #pragma unroll

@@ -118,6 +118,13 @@ def test_occupancy_configurations_match_reference(variant):
     assert workspaces_zero()
 
 
+def groups_and_cfgs(run) -> set[tuple[int, int]]:
+    """(NG, CFG) of each per-warp product kernel run() launches (exl3_gemv_kernel<K, CB, PATH, NG,
+    VAR, CFG, ...>), from the profiler's names."""
+    names = kernels_run(run, "exl3_gemv_kernel")
+    return {(int(a[3]), int(a[5])) for a in template_args(names, "exl3_gemv_kernel")}
+
+
 @pytest.mark.parametrize("variant,cfg", [(51, 13), (52, 14)])
 @pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 14336)])
 def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out, variant, cfg):
@@ -130,11 +137,6 @@ def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out, 
     shipped kernel would fail here."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
-
-    def groups_and_cfgs(run):
-        names = kernels_run(run, "exl3_gemv_kernel")
-        return {(int(a[3]), int(a[5])) for a in template_args(names, "exl3_gemv_kernel")}
-
     for rows in (2, 5, 7, 8):
         x = torch.randn(rows, n_in, device=DEV).half()
         x[:, 3] = 12.0
@@ -160,9 +162,8 @@ def test_compact_activations_in_grouped_products():
     g = ops.join_linears(members)
     run = lambda: ops.exl3_gemm_group(x, g, mode="fused", int8=True)  # noqa: E731
     with ops.debug_variant(52):
-        ys = run()
-        names = kernels_run(run, "exl3_gemv_kernel")
-    assert {(int(a[3]), int(a[5])) for a in template_args(names, "exl3_gemv_kernel")} == {(2, 14)}, names
+        ys, ran = run(), groups_and_cfgs(run)
+    assert ran == {(2, 14)}, ran
     for y, t in zip(ys, members):
         ref = fmt.exl3_matmul_reference(x.float(), t, fmt.reconstruct(t.trellis, "mul1"))
         assert rel_rms(y, ref) < 2e-3, rel_rms(y, ref)
