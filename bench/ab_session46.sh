@@ -22,7 +22,7 @@
 # 6. Whole-model decode at batch 5 and 8 (synthetic Llama-3.1-8B, context 0, CUDA graphs): shipped
 #    (the fp16 path there) against the integer path under variants 52 and 51 (TRELLIS_INT8=1), one
 #    process each, alternating. Why: what part 4's products are worth in a decode step.
-# Order: 2, 4, 5, 6, 3, then second passes of 4 and 3 where time is left.
+# Order: 2, 4, 5, 6, 3, then second passes of 4 and 3 where time is left (4 before 2 where CALL_S < 400).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-540} - ($(date +%s) - t_call) )); }
@@ -30,13 +30,13 @@ left() { echo $(( ${CALL_S:-540} - ($(date +%s) - t_call) )); }
 if [ "${GOALS:-1}" != 0 ] && [ ${CALL_S:-540} -ge 500 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/h200_goals.sh; fi
 export SKIP_GPU_TESTS=1  # the tests below alone
 source bench/gpu_common.sh
-if [ $(left) -gt 130 ]; then
+run_tests() {
   echo "== tests: wgmma, variants 51 / 52 $(el)s" | tee -a $L
   timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py tests/test_ops_gpu.py \
     tests/test_gemv_shared_gpu.py -k "wgmma or four_row_units or compact or occupancy or grouped or two_tiles or output_stage" \
     > $OUT/pytest_45.txt 2>&1
   grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_45.txt | head -12 | tee -a $L
-fi
+}
 wgmma_pass() {
   echo "== wgmma form: shipped (A12, plain rows) / variant 53 (before), pass $1 $(el)s" | tee -a $L
   timeout 80 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
@@ -51,7 +51,14 @@ int8_pass() {
     --paths fused --shapes 8192x28672 4096x14336 14336x4096 --m 5 8 2>&1 | python3 -c "$SUM" | grep -v '^{' \
     | sed 's/^/f16 /' | tee -a $L
 }
-[ $(left) -gt 100 ] && int8_pass 1
+# A short call (CALL_S < 400, ~80 s of it the build) times the integer path before the tests.
+if [ ${CALL_S:-540} -lt 400 ]; then
+  [ $(left) -gt 100 ] && int8_pass 1
+  [ $(left) -gt 130 ] && run_tests
+else
+  [ $(left) -gt 130 ] && run_tests
+  [ $(left) -gt 100 ] && int8_pass 1
+fi
 if [ $(left) -gt 50 ]; then
   for v in 52 51; do
     [ $(left) -gt 50 ] || break
