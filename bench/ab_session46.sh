@@ -1,9 +1,9 @@
 #!/bin/bash
-# Session 45's second call (run in session 46, which added part 6), on whatever card comes; carry
-# .devcarry/shared. At most ~CALL_S seconds (default 540): each part after the first runs only if
-# the call's clock leaves it room.
-# 1. On an H200 with CALL_S >= 500 (and not GOALS=0), first the issue's goals (bench/h200_goals.sh, its own shipped
-#    build), which now include the K = 4 MUL1 wgmma form with A12 (session 45; variant 49 until then).
+# Session 45's second call (written as ab_session45.sh, unrun; session 46 added part 6 and GOALS=0),
+# on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds (default 540): each part
+# after the first runs only if the call's clock leaves it room.
+# 1. On an H200 with CALL_S >= 500 (and not GOALS=0), first the issue's goals (bench/h200_goals.sh,
+#    its own shipped build), which now include the K = 4 MUL1 wgmma form with A12 (session 45; variant 49 until then).
 # 2. The debug build; the wgmma tests and variants 51 / 52's (test_gemv_wgmma_gpu.py; the
 #    four_row_units and compact tests of test_ops_gpu.py), with the occupancy and grouped-product
 #    tests beside them, and test_gemv_shared_gpu.py's two-tile dispatch and output-stage tests
