@@ -21,7 +21,7 @@
 #    the integer path there if not the issue slots.
 # 6. Whole-model decode at batch 5 and 8 (synthetic Llama-3.1-8B, context 0, CUDA graphs): shipped
 #    (the fp16 path there) against the integer path under variants 52 and 51 (TRELLIS_INT8=1), one
-#    process each, alternating. Why: what part 4's products are worth in a decode step.
+#    process each, in turn. Why: what part 4's products are worth in a decode step.
 # Order: 2, 4, 5, 6, 3, then second passes of 4 and 3 where time is left (4 before 2 where CALL_S < 400).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
@@ -75,10 +75,10 @@ if [ $(left) -gt 150 ]; then
   M=/tmp/llama3-8b
   [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
   for b in 8 5; do
-    [ $(left) -gt 110 ] || break
     echo "== decode, batch $b: shipped / integer path under 52 / 51 $(el)s" | tee -a $L
     for setting in "shipped" "TRELLIS_INT8=1 TRELLIS_GV_VARIANT=52" "TRELLIS_INT8=1 TRELLIS_GV_VARIANT=51"; do
-      env $([ "$setting" = shipped ] || echo $setting) timeout 60 python3 -m bench.decode --model-dir $M --contexts 0 \
+      [ $(left) -gt 90 ] || break 2
+      env $([ "$setting" = shipped ] || echo $setting) timeout 75 python3 -m bench.decode --model-dir $M --contexts 0 \
         --tokens 48 --batch $b --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/$setting /" | tee -a $L
     done
   done
