@@ -21,7 +21,8 @@
 #    the integer path there if not the issue slots.
 # 6. Whole-model decode at batch 5 and 8 (synthetic Llama-3.1-8B, context 0, CUDA graphs): shipped
 #    (the fp16 path there) against the integer path under variants 52 and 51 (TRELLIS_INT8=1), one
-#    process each, in turn. Why: what part 4's products are worth in a decode step.
+#    process each (gpu_common.sh's decode_by_setting). Why: what part 4's products are worth in a
+#    decode step.
 # Order: 2, 4, 5, 6, 3, then second passes of 4 and 3 where time is left (4 before 2 where CALL_S < 400).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
@@ -59,28 +60,25 @@ else
   [ $(left) -gt 130 ] && run_tests
   [ $(left) -gt 100 ] && int8_pass 1
 fi
-if [ $(left) -gt 50 ]; then
-  for v in 52 51; do
-    [ $(left) -gt 50 ] || break
-    echo "== ncu 8 rows, integer path, variant $v $(el)s" | tee -a $L
-    TRELLIS_INT8=1 TRELLIS_GV_VARIANT=$v timeout 45 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
-      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active|smsp__inst_executed\.sum$' \
-      python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 8 > $OUT/ncu_m8_v$v.txt 2>&1
-    grep -E "exl3_gemv|Duration|Registers Per|Achieved Occ|L2 Cache|DRAM Through|Issue Slots Busy|Eligible Warps|inst_executed|stalled|pipe_|ERR|rror" \
-      $OUT/ncu_m8_v$v.txt | awk '$NF != "0" && $NF != "0.00"' | head -40 | tee -a $L
-  done
-fi
+for v in 52 51; do
+  [ $(left) -gt 50 ] || break
+  echo "== ncu 8 rows, integer path, variant $v $(el)s" | tee -a $L
+  TRELLIS_INT8=1 TRELLIS_GV_VARIANT=$v timeout 45 ncu --clock-control none -k regex:exl3_gemv --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active|smsp__inst_executed\.sum$' \
+    python3 -m bench.linear --once --shapes 8192x28672 --K 4 --m 8 > $OUT/ncu_m8_v$v.txt 2>&1
+  grep -E "exl3_gemv|Duration|Registers Per|Achieved Occ|L2 Cache|DRAM Through|Issue Slots Busy|Eligible Warps|inst_executed|stalled|pipe_|ERR|rror" \
+    $OUT/ncu_m8_v$v.txt | awk '$NF != "0" && $NF != "0.00"' | head -40 | tee -a $L
+done
 if [ $(left) -gt 150 ]; then
   M=/tmp/llama3-8b
   [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
-  for b in 8 5; do
-    echo "== decode, batch $b: shipped / integer path under 52 / 51 $(el)s" | tee -a $L
-    for setting in "shipped" "TRELLIS_INT8=1 TRELLIS_GV_VARIANT=52" "TRELLIS_INT8=1 TRELLIS_GV_VARIANT=51"; do
-      [ $(left) -gt 90 ] || break 2
-      env $([ "$setting" = shipped ] || echo $setting) timeout 75 python3 -m bench.decode --model-dir $M --contexts 0 \
-        --tokens 48 --batch $b --paths cuda-graph 2>&1 | grep '"tokens_per_s\|error' | cut -c1-150 | sed "s/^/$setting /" | tee -a $L
-    done
+  for b in 8 5; do  # gpu_common.sh's decode_by_setting: up to 90 s a process
+    [ $(left) -gt 100 ] || break
+    echo "== decode, batch $b: shipped (TRELLIS_INT8=auto) / integer path under 52 / 51 $(el)s" | tee -a $L
+    DECODE_BATCH=$b DECODE_TOKENS=48 DECODE_PASSES=1 decode_by_setting TRELLIS_INT8 int8 auto
+    [ $(left) -gt 190 ] || break
+    TRELLIS_INT8=1 DECODE_BATCH=$b DECODE_TOKENS=48 DECODE_PASSES=1 decode_by_setting TRELLIS_GV_VARIANT var 52 51
   done
 fi
 [ $(left) -gt 70 ] && wgmma_pass 1
