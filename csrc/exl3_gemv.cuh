@@ -98,8 +98,8 @@ __device__ __forceinline__ void gv_states(const uint32_t* smem, int tile, int wa
     }
 }
 
-// An integer-path B lane's 4 registers from its packed word (the self prep slots' and the compact
-// activations' form): byte j of w repeated in the 4 bytes of register j, as the IMMAs take it.
+// An integer-path B lane's 4 registers from its packed word (the self prep slots' form): byte j of
+// w repeated in the 4 bytes of register j, as the IMMAs take it.
 __device__ __forceinline__ uint4 b_of_packed_word(uint32_t w) {
     return make_uint4(__byte_perm(w, 0u, 0x0000), __byte_perm(w, 0u, 0x1111), __byte_perm(w, 0u, 0x2222),
                       __byte_perm(w, 0u, 0x3333));
@@ -387,11 +387,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     if constexpr (VAR == 3) p_src = trellis + (size_t)u0 * KR * CT * TW + lane * 4;  // probe: one stream
     const size_t src_row = VAR == 3 ? (size_t)CT * TW : row_step;  // source words from a unit's k row to the next
     constexpr int kBRowWords = NG * 32 * S::BW;  // activation words per k row
-    // Compact integer-path activations (gv_compact_b): a k row's are NG x 128 bytes, one 16-byte
-    // chunk for each of the first NG x 8 lanes, like the fp16 path's fragments.
-    constexpr bool kCompactB = PATH == GV_I8 && gv_compact_b(CFG);
-    static_assert(!kCompactB || !SP, "self prep keeps its own slots");
-    constexpr int kBLaneWords = PATH == GV_I8 && !kCompactB ? S::BW : 4;  // source words before this lane's chunk
+    constexpr int kBLaneWords = PATH == GV_I8 ? S::BW : 4;  // source words before this lane's chunk
     // Grouped products (q/k/v or gate/up in one launch): the trellis of up to four linears that
     // share an input is concatenated along the columns, and segment s (columns from seg_cs) has
     // its own input signs, so its own activations: xb holds one k-row series per segment.
@@ -417,9 +413,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                 }
                 if (acts && !SP) {
                     const uint32_t* b = p_b + kr * kBRowWords;
-                    if constexpr (kCompactB) {
-                        if (lane < NG * 8) gv_cp16(dst + CT * TW * 4, b);
-                    } else if constexpr (PATH == GV_I8) {
+                    if constexpr (PATH == GV_I8) {
                         // 16 bytes per lane per group, only for lanes whose B column is a real row.
 #pragma unroll
                         for (int gr = 0; gr < NG; ++gr)
@@ -706,12 +700,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     const uint32_t w = lane < 8 ? slot[((lane >> 2) * 8 + krow) * 4 + (lane & 3)] : 0u;
                     b[0] = b_of_packed_word(w);
                     cpart += __uint_as_float(slot[kSpRowSumWord + krow]);
-                } else if constexpr (kCompactB) {  // rows past m: never written, so masked here
-#pragma unroll
-                    for (int gr = 0; gr < NG; ++gr) {
-                        const uint32_t w = has_b[gr] ? gv_smem[base + CT * TW + gr * 32 + lane] : 0u;
-                        b[gr] = b_of_packed_word(w);
-                    }
                 } else {
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
@@ -950,11 +938,6 @@ cudaError_t launch_gemv_ng(const MmArgs& a, int variant, cudaStream_t stream) {
         if (variant != 0 && gv_shipped_schedule(variant)) return launch_gemv_schedule<K, CB, PATH, NG>(a, variant, stream);
         if constexpr (K == 4 && CB == CB_MUL1 && PATH == GV_I8 && NG == 2) {  // CFG 13 (exl3_gemv_geom.cuh)
             if (variant == kGvVarI8FourRows && a.in % 64 == 0) return launch_gemv_var<K, CB, PATH, NG, 0, 13>(a, stream);
-            if (variant == kGvVarI8CompactB && a.in % 64 == 0) return launch_gemv_var<K, CB, PATH, NG, 0, 14>(a, stream);
-        }
-        // prep_frag wrote this variant's compact activations for two groups: no other kernel reads them
-        if constexpr (PATH == GV_I8 && NG == 2) {
-            if (variant == kGvVarI8CompactB) return cudaErrorNotSupported;
         }
         if constexpr (K == 4 && CB == CB_MUL1 && (NG == 1 || (PATH == GV_F16 && NG == 4))) {
             switch (variant) {

@@ -28,7 +28,6 @@ constexpr int kSaVarWgmmaTcSum = 48;  // debug: its wgmma form with MUL1's byte 
 constexpr int kSaVarWgmmaA12 = 49;       // debug: its wgmma form with the states' A masked once (kSaA12; shipped for K = 4 MUL1)
 constexpr int kSaVarWgmmaProducts = 50;  // debug: its wgmma form on the integer path's products (kSaProducts)
 constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows in four-k-row units (CFG 13)
-constexpr int kGvVarI8CompactB = 52;     // debug: CFG 13 with its activations unreplicated in the ring (CFG 14)
 constexpr int kSaVarWgmmaNoA12 = 53;     // debug: its wgmma form without A12 (shipped until session 45)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
@@ -100,8 +99,9 @@ __host__ __device__ constexpr int gv_stages() {
 // though on paper it needs ~30 instructions a tile against ~45: the per-unit work (ring wait and
 // issue, B loads, loop) is paid once per 4 tiles there, once per 32 in CFG 10.
 // Session 45 (H100): CFG 13 60.4-61.2 us at 5 / 8 rows of 8192x28672 against CFG 0's 75.8-76.4,
-// still behind the fp16 path's 52.5-53.1. CFG 14 (debug variant 52): CFG 13 with compact
-// activations (gv_compact_b).
+// still behind the fp16 path's 52.5-53.1. Session 47 (H100) measured CFG 13 with its activations
+// stored once instead of 4 times (debug variant 52, removed): 61.7-62.7 us there, and never ahead
+// of the fp16 path at 5 / 8 rows of 4096x14336 or 14336x4096 either.
 struct GvTune {
     int ct, ns, minb, kr = 1;  // kr: k rows per unit (one ring stage), so per-unit work is paid once per kr rows
 };
@@ -117,21 +117,10 @@ __host__ __device__ constexpr GvTune gv_tune(int cfg) {
            : cfg == 9 ? GvTune{8, 3, 2, 2}
            : cfg == 10 ? GvTune{8, 2, 2, 4}
            : cfg == 13 ? GvTune{4, 2, 2, 4}
-           : cfg == 14 ? GvTune{4, 2, 2, 4}
                        : GvTune{0, 0, 2};
 }
 
 enum GvPath : int { GV_I8 = 0, GV_F16 = 1 };
-
-// Whether a configuration's integer-path activations are compact: one word per B lane per group
-// and k row, its 4 bytes the 4 int8 values that the lane's B registers repeat (the self prep
-// slots' form; the kernel repeats them by PRMT), instead of those 4 registers as stored. CFG 14
-// (debug variant 52) only. Why: at two groups the stored form is 1 KB a k row beside 512 bytes of
-// trellis, and every warp of a column group reads it from L2: 235 MB at 8 rows of 8192x28672
-// against the 117 MB of trellis from DRAM (an estimate: ~5.8 TB/s from L2 in variant 51's 61 us
-// on an H100). Compact, 59 MB, for 10 more instructions a k row (2 loads, 2 selects and 8 PRMTs in
-// place of 2 loads).
-__host__ __device__ constexpr bool gv_compact_b(int cfg) { return cfg == 14; }
 
 // Static shape of one instantiation: CT column tiles per unit, NG groups of B columns (I8: 4 x
 // rows of 2 passes each; F16: 8 rows each), words of activations per lane per group per k row.
@@ -139,7 +128,7 @@ template <int PATH, int NG, int CFG = 0>
 struct GvShape {
     static constexpr int CT = gv_tune(CFG).ct ? gv_tune(CFG).ct
                               : PATH == GV_I8 ? (NG == 1 ? 8 : 4) : (NG == 1 ? 8 : (NG == 2 ? 4 : 2));
-    static constexpr int BW = PATH == GV_I8 ? (gv_compact_b(CFG) ? 1 : 4) : 2;  // words per lane per group
+    static constexpr int BW = PATH == GV_I8 ? 4 : 2;  // words per lane per group
     static constexpr int ROWS_PER_GROUP = PATH == GV_I8 ? 4 : 8;
     static constexpr int MINB = gv_tune(CFG).minb;
     static constexpr int KR = gv_tune(CFG).kr;

@@ -108,21 +108,20 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // quad cq = (kk % 8) / 2.
 //   F16: lane = (r % 8) * 4 + cq, word kk / 8 of the lane's pair, half kk % 2; group r / 8.
 //   I8:  lane = (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words;
-//        group r / 4. compact_i8 (debug variant 52, gv_compact_b): byte `slot` of the lane's one word.
+//        group r / 4.
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
 // PRE: x is normed on its own before the residual add and the norm (pre, PrepNorm::pre).
 template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
-                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre,
-                                 bool compact_i8) {
+                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
     {  // segment blockIdx.y of a grouped product: its own signs and output series
         const int seg = blockIdx.y;
         suh += (size_t)seg * in;
-        xb += (size_t)seg * (in >> 4) * ng * 32 * (scales ? (compact_i8 ? 1 : 4) : 2);
+        xb += (size_t)seg * (in >> 4) * ng * 32 * (scales ? 4 : 2);
         if (scales) {
             scales += (size_t)seg * rows * nch;
             csum += (size_t)seg * rows * nch;
@@ -162,7 +161,7 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
         return;
     }
     const float f[4] = {__low2float(o0), __high2float(o0), __low2float(o1), __high2float(o1)};
-    store_i8_chunk(xb, scales, csum, r, c, nch, ng, lane, f, compact_i8);
+    store_i8_chunk(xb, scales, csum, r, c, nch, ng, lane, f);
 }
 
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
@@ -179,9 +178,7 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
     auto* kernel = norm.pre.w ? prep_frag_kernel<false, true> : xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
-    // The product of debug variant 52 (two groups on the integer path) reads them compact.
-    const bool compact_i8 = scales && ng == 2 && mm_debug_variant() == kGvVarI8CompactB;
-    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng, norm.pre, compact_i8);
+    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng, norm.pre);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }

@@ -392,11 +392,9 @@ struct Int8Chunk {
 // row r, chunk c of nch, fragment groups ng; f = this lane's 4 values c * 128 + lane * 4 + 0..3.
 // Element (r, k): k row i = k / 16, kk = k % 16, lane quad cq = (kk % 8) / 2; B lane
 // (2 (r % 4) + pass) * 4 + cq, slot (kk % 2) + 2 (kk / 8) of the lane's 4 words, group r / 4.
-// compact (gv_compact_b, debug variant 52): each pass's level once, as byte `slot` of the B lane's
-// one word (the self prep slots' form, sp_store_chunk), so a k row of a group is 128 bytes, not 512.
 __device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2* __restrict__ scales,
                                                float* __restrict__ csum, int r, int c, int nch, int ng,
-                                               int lane, const float f[4], bool compact = false) {
+                                               int lane, const float f[4]) {
     const Int8Chunk ch(f);
     const int k = c * 128 + lane * 4;
     const int kk0 = k & 15;  // even; the lane's 4 values are kk0 .. kk0+3 of k row k / 16
@@ -406,18 +404,10 @@ __device__ __forceinline__ void store_i8_chunk(uint32_t* __restrict__ xb, float2
         const int kk = kk0 + q;
         const int cq = (kk & 7) >> 1;
         const int slot = (kk & 1) + 2 * (kk >> 3);
-        if (compact) {
-            int q1, q2;
-            ch.levels(f[q], q1, q2);
-            uint8_t* xb8 = reinterpret_cast<uint8_t*>(xb);
-            xb8[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = (uint8_t)(q1 & 0xff);
-            xb8[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = (uint8_t)(q2 & 0xff);
-        } else {
-            uint32_t w1, w2;
-            ch.passes(f[q], w1, w2);
-            xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
-            xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
-        }
+        uint32_t w1, w2;
+        ch.passes(f[q], w1, w2);
+        xb[(fb + (2 * (r & 3)) * 4 + cq) * 4 + slot] = w1;
+        xb[(fb + (2 * (r & 3) + 1) * 4 + cq) * 4 + slot] = w2;
     }
     if (lane == 0) {
         scales[(size_t)r * nch + c] = make_float2(ch.s1, ch.s2);
