@@ -244,34 +244,10 @@ __device__ __forceinline__ void add_to_workspace(float* p, float v) {
 // fp16 path: add a warp's partial sums of column group `grp` (CT tiles, NG groups of 8 rows) to
 // z. D fragment: c0/c1 = (out col g, rows 2cq, 2cq + 1), c2/c3 = the same for col g + 8.
 // MUL1 (the raw decode): each sum is k_inv * acc + k_bias * sacc, sacc the rows' sums of x.
-// A lane's sums lie in 2 NG rows, CT x 2 columns of each at compile-time distances: one pointer
-// and one row test per row, each add at an immediate offset from it. Why: written per sum, ptxas
-// recomputed the 64-bit address, the bias product and a branch around each pair of adds: ~490
-// instructions for the 64 adds of a 32-row flush (SASS), 10.5% of the 32-row product's stall
-// samples at 8192x28672 (H100 ncu, session 47). TRELLIS_FLUSH_PER_ELEMENT (an A/B build): as
-// before session 47.
 template <int NG, int CT, bool MUL1 = false, bool kStage = false>
 __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float (&acc)[NG][CT][4], int grp, int m,
                                              int out, int lane, const float (*sacc)[4] = nullptr) {
     const int g = lane >> 2, cq = lane & 3;
-#ifndef TRELLIS_FLUSH_PER_ELEMENT
-    float* const zc = z + (size_t)(2 * cq) * out + (size_t)grp * CT * 16 + g;  // row 2 cq, the first column
-#pragma unroll
-    for (int gr = 0; gr < NG; ++gr) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // row gr * 8 + 2 cq + h: D registers h (column g) and h + 2 (g + 8)
-            if (gr * 8 + 2 * cq + h >= m) continue;
-            float* const p = zc + (size_t)(gr * 8 + h) * out;
-            const float bias = MUL1 ? kMul1Bias * sacc[gr][h] : 0.f;
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct) {
-                add_to_workspace<kStage>(p + ct * 16, MUL1 ? fmaf(kMul1Inv, acc[gr][ct][h], bias) : acc[gr][ct][h]);
-                add_to_workspace<kStage>(p + ct * 16 + 8,
-                                         MUL1 ? fmaf(kMul1Inv, acc[gr][ct][h + 2], bias) : acc[gr][ct][h + 2]);
-            }
-        }
-    }
-#else
 #pragma unroll
     for (int gr = 0; gr < NG; ++gr) {
         auto val = [&](int ct, int q) {
@@ -291,7 +267,6 @@ __device__ __forceinline__ void gv_flush_f16(float* __restrict__ z, const float 
             }
         }
     }
-#endif
 }
 
 // The completion count of block blk: the warp adds the k rows it did (after its atomics, fenced);
