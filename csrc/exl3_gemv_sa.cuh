@@ -72,8 +72,15 @@ namespace trellis {
 // and 0.1-2.1% at 4096x28672; 50 0-3.1% faster, about the same. So K = 4 MUL1's wgmma form (four
 // tiles a unit) ships with A12 alone, the smaller change, since then (sa_wgmma_cfg); debug variant
 // 53 runs it without, as before.
+// CFG 16384 (kSaNoSlice, debug variant 54 with the shipped A12 form; session 47): a timing probe
+// with wrong results: no activation slice in shared memory (no copy, no wait for it, no row sums,
+// no rearrangement, no block barrier). Why: ncu put 4.8% of the 32-row product's stall samples at
+// the barrier after the copy, every block of the one wave waiting for its slice at once (H100,
+// csrc/PERF_NOTES.md); this bounds what copying the slice in parts behind the first units could
+// gain before anything is built.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
-              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192;
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
+              kSaNoSlice = 16384;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -190,15 +197,16 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     for (int s = 0; s < NS - 1; ++s) issue(s);
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
-    {
+    constexpr bool kSlice = !(CFG & kSaNoSlice);
+    if constexpr (kSlice) {
         const uint32_t* src = xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW;
         const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
         for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(dst + c * 16, src + c * 4);
         cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
     }
-    cp_async_wait<0>();
-    __syncthreads();
-    if constexpr (RAW) {
+    if constexpr (RAW && kSlice) {
         // Word w of a k row's fragments holds two values of row (w / 64) * 8 + (w % 64) / 8: a
         // thread keeps one word position over its k rows (BROW, 64 words per group, divides the
         // block's 256 threads), the 8 lanes of one row add theirs, and one of them adds the sum to
@@ -216,7 +224,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         if ((w & 7) == 0 && row < m) atomicAdd(row_sums + row, t);
         __syncthreads();
     }
-    if constexpr (WG) {
+    if constexpr (WG && kSlice) {
         // The slice into wgmma's K-major B layout, in place, a group of 8 rows of a k row (64
         // words) at a time: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 + 8 (w % 2)
         // of row (w % 64) / 8, so lane l's words 2 l and 2 l + 1 go to l and 32 + l: the core
@@ -460,13 +468,13 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50 and 53 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -576,6 +584,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaA12) return launch_gemv_sa_decode<K, CB, NG, kSaA12>(a, stream);
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, stream);
+            if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }
