@@ -19,24 +19,28 @@
 # form; bench.linear at 8, 12, 16, 17, 24 and 32 rows (dense fp16 in the same run), one process per
 # build, two passes; whole-model decode at batch 32 and 8 (synthetic Llama-3.1-8B, context 0),
 # alternating builds.
-# `bash bench/session47.sh slice` (on an H200 the goals first): debug variant 54 (the 32-row
-# product's A12 wgmma form without its activation slice: a probe, wrong results) against the
-# shipped form at 17, 24 and 32 rows of 8192x28672 and 4096x28672, two passes: what the slice copy
-# and the barrier after it cost, which bounds any form that copies the slice behind the first units.
+# `bash bench/session47.sh slice` (on an H200 with CALL_S >= 500 the goals first): the wgmma tests
+# (test_gemv_wgmma_gpu.py, variant 56's among them), then debug variants 54 (the 32-row product's
+# A12 wgmma form without its activation slice), 55 (the slice copied, no passes over it; both
+# probes with wrong results) and 56 (the slice in one pass) against the shipped form at 17, 24 and
+# 32 rows of 8192x28672 and 4096x28672, two passes. (Its first run, at c352a63, had variant 54 alone.)
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-540} - ($(date +%s) - t_call) )); }
 h200=0; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && h200=1
 if [ "$1" = slice ]; then
-  [ $h200 = 1 ] && bash bench/h200_goals.sh
-  if [ $(left) -lt 200 ]; then echo "== no time left for the probe" | tee -a $OUT/log.txt; exit 0; fi
+  [ $h200 = 1 ] && [ ${CALL_S:-540} -ge 500 ] && bash bench/h200_goals.sh
+  if [ $(left) -lt 150 ]; then echo "== no time left for the probes" | tee -a $OUT/log.txt; exit 0; fi
   export SKIP_GPU_TESTS=1
   source bench/gpu_common.sh  # the debug build
+  echo "== tests: test_gemv_wgmma_gpu.py $(el)s" | tee -a $L
+  timeout 60 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py > $OUT/pytest_slice.txt 2>&1
+  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_slice.txt | head -12 | tee -a $L
   for pass in 1 2; do
-    [ $(left) -gt 50 ] || break
-    echo "== shipped / variant 54 (no slice), pass $pass $(el)s" | tee -a $L
-    timeout 80 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
-      --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 54 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+    [ $(left) -gt 40 ] || break
+    echo "== shipped / variants 54 (no slice), 55 (copy only), 56 (one pass), pass $pass $(el)s" | tee -a $L
+    timeout 60 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
+      --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 54 55 56 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
   done
 elif [ "$1" = flush ]; then
   (TRELLIS_NVCC_DEFINES=TRELLIS_FLUSH_PER_ELEMENT TRELLIS_DEBUG_VARIANTS=1 TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=8 \

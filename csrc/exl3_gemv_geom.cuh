@@ -30,6 +30,8 @@ constexpr int kSaVarWgmmaProducts = 50;  // debug: its wgmma form on the integer
 constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows in four-k-row units (CFG 13)
 constexpr int kSaVarWgmmaNoA12 = 53;     // debug: its wgmma form without A12 (shipped until session 45)
 constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12 form without the activation slice (kSaNoSlice)
+constexpr int kSaVarSliceOnly = 55;      // debug probe (wrong results): the same with the slice copied, no passes over it (kSaSliceOnly)
+constexpr int kSaVarFusedSlice = 56;     // debug: its A12 form taking the slice in one pass (kSaFusedSlice)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

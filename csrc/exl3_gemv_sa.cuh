@@ -77,10 +77,20 @@ namespace trellis {
 // no rearrangement, no block barrier). Why: ncu put 4.8% of the 32-row product's stall samples at
 // the barrier after the copy, every block of the one wave waiting for its slice at once (H100,
 // csrc/PERF_NOTES.md); this bounds what copying the slice in parts behind the first units could
-// gain before anything is built.
+// gain before anything is built. Session 47 (H100): 17 / 24 / 32 rows of 8192x28672 64.3-64.7 /
+// 65.8-66.2 / 67.5 us against the shipped 66.9-67.2 / 69.1-69.2 / 73.4-73.5, 4096x28672 8-9% less.
+// CFG 65536 (kSaSliceOnly, debug variant 55, the same A12 form): a probe with wrong results that
+// copies the slice and waits for it but leaves out the row sums' and the rearrangement's passes over
+// it (and their barriers): with 54 it says whether the copy or the passes cost.
+// CFG 32768 (kSaFusedSlice, debug variant 56, the same A12 form): the slice in one pass: each thread
+// loads its 16-byte chunks of the slice into registers and stores them already in wgmma's layout,
+// adding their values into its row's partial sum as it goes; one barrier after. The partials (16 /
+// NG a row, from threads in different warps) are summed where a flush needs them. Why: the shipped
+// prologue copies, waits, reads the slice back for the row sums, reads and rewrites it for wgmma,
+// with a block barrier after each of the three.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384;
+              kSaNoSlice = 16384, kSaFusedSlice = 32768, kSaSliceOnly = 65536;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -94,7 +104,9 @@ struct SaShape {
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
     static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
     static constexpr int RING_WORDS = kGvWarps * NS * SW;
-    static constexpr int SUM_WORDS = 32;                        // the slice's row sums (MUL1, raw decode)
+    // the slice's row sums (MUL1, raw decode); kSaFusedSlice: SUM_SLOTS partials a row, 128 in all
+    static constexpr int SUM_SLOTS = kGvWarps * 32 / (BROW / 4);
+    static constexpr int SUM_WORDS = CFG & kSaFusedSlice ? NG * 8 * SUM_SLOTS : 32;
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -160,7 +172,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
     float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
-    if (RAW && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
+    constexpr bool kFused = (CFG & kSaFusedSlice) != 0;  // row_sums: [NG * 8][SUM_SLOTS] partials
+    if (RAW && !kFused && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
 
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
@@ -198,7 +211,47 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
     constexpr bool kSlice = !(CFG & kSaNoSlice);
-    if constexpr (kSlice) {
+    constexpr bool kPasses = kSlice && !kFused && !(CFG & kSaSliceOnly);  // the row sums' and wgmma layout's passes
+    static_assert(!kFused || kSlice, "one slice form");
+    if constexpr (kFused) {
+        // Chunk p of each k row (16 bytes: words 4 p .. 4 p + 3, all of one row of x); the thread
+        // takes every SUM_SLOTS-th k row from its own, 8 loads in flight before their stores.
+        constexpr int kRowChunks = BROW / 4, kStride = S::SUM_SLOTS, kBatch = 8;
+        const uint4* src = reinterpret_cast<const uint4*>(xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW);
+        const int p = threadIdx.x % kRowChunks, q = p & 15;
+        const int base = acts + (p >> 4) * 64;  // the chunk's group of 8 rows within a k row
+        float t = 0.f;
+        for (int rb = threadIdx.x / kRowChunks; rb < nr; rb += kBatch * kStride) {
+            uint4 v[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i)
+                if (rb + i * kStride < nr) v[i] = __ldcg(src + (size_t)(rb + i * kStride) * kRowChunks + p);
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+                const int r = rb + i * kStride;
+                if (r >= nr) break;
+                if constexpr (RAW) {
+                    const float2 a = __half22float2(as_h2(v[i].x)), b = __half22float2(as_h2(v[i].y));
+                    const float2 c = __half22float2(as_h2(v[i].z)), d = __half22float2(as_h2(v[i].w));
+                    t += ((a.x + a.y) + (b.x + b.y)) + ((c.x + c.y) + (d.x + d.y));
+                }
+                uint32_t* row = sa_smem + base + r * BROW;
+                if constexpr (WG) {  // words 2 l and 2 l + 1 of the group to l and 32 + l (see below)
+                    *reinterpret_cast<uint2*>(row + 2 * q) = make_uint2(v[i].x, v[i].z);
+                    *reinterpret_cast<uint2*>(row + 32 + 2 * q) = make_uint2(v[i].y, v[i].w);
+                } else {
+                    *reinterpret_cast<uint4*>(row + 4 * q) = v[i];
+                }
+            }
+        }
+        if constexpr (RAW) {  // chunks p and p ^ 1 hold the same row: its partial, one slot a thread pair
+            t += __shfl_xor_sync(0xffffffffu, t, 1);
+            const int xrow = (p >> 4) * 8 + (q >> 1);
+            if ((p & 1) == 0) row_sums[xrow * kStride + threadIdx.x / kRowChunks] = t;
+        }
+        if constexpr (WG) wg_fence_smem_writes();
+        __syncthreads();
+    } else if constexpr (kSlice) {
         const uint32_t* src = xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW;
         const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
         for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(dst + c * 16, src + c * 4);
@@ -206,7 +259,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         cp_async_wait<0>();
         __syncthreads();
     }
-    if constexpr (RAW && kSlice) {
+    if constexpr (RAW && kPasses) {
         // Word w of a k row's fragments holds two values of row (w / 64) * 8 + (w % 64) / 8: a
         // thread keeps one word position over its k rows (BROW, 64 words per group, divides the
         // block's 256 threads), the 8 lanes of one row add theirs, and one of them adds the sum to
@@ -224,7 +277,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
         if ((w & 7) == 0 && row < m) atomicAdd(row_sums + row, t);
         __syncthreads();
     }
-    if constexpr (WG && kSlice) {
+    if constexpr (WG && kPasses) {
         // The slice into wgmma's K-major B layout, in place, a group of 8 rows of a k row (64
         // words) at a time: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 + 8 (w % 2)
         // of row (w % 64) / 8, so lane l's words 2 l and 2 l + 1 go to l and 32 + l: the core
@@ -351,8 +404,19 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
                         const int row = gr * 8 + 2 * (lane & 3);
-                        sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
-                        sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                        if constexpr (kFused) {  // the rows' partials
+                            sacc[gr][0] = sacc[gr][1] = 0.f;
+                            if (grp_row0) {
+#pragma unroll
+                                for (int j = 0; j < S::SUM_SLOTS; ++j) {
+                                    sacc[gr][0] += row_sums[row * S::SUM_SLOTS + j];
+                                    sacc[gr][1] += row_sums[(row + 1) * S::SUM_SLOTS + j];
+                                }
+                            }
+                        } else {
+                            sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
+                            sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                        }
                         sacc[gr][2] = sacc[gr][3] = 0.f;
                     }
                     gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
@@ -468,13 +532,14 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50 and 53-56 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
+           variant == kSaVarSliceOnly || variant == kSaVarFusedSlice;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -585,6 +650,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, stream);
             if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, stream);
+            if (variant == kSaVarSliceOnly) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaSliceOnly>(a, stream);
+            if (variant == kSaVarFusedSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaFusedSlice>(a, stream);
         }
         return launch_gemv_sa<K, CB, NG>(a, stream);
     }

@@ -92,6 +92,33 @@ def test_wgmma_form_with_other_decodes(variant, decode):
     assert workspaces_zero()
 
 
+SA_FUSED_SLICE = 32768  # kSaFusedSlice, csrc/exl3_gemv_sa.cuh
+
+
+@pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (4096, 14336)])
+def test_slice_in_one_pass_matches_reference(n_in, n_out):
+    """Debug variant 56 (the A12 form taking its activation slice in one pass: loads, stores in
+    wgmma's layout, per-thread partial row sums summed at the flush) at two row groups (12 rows:
+    the synchronous kernel, slice stored as loaded) and four (17, 24, 32: wgmma on Hopper), with a
+    bias, several k slices and rows past m in the last group: the reference's product, and the
+    shipped kernel's up to fp32 summation order, from the kernel the profiler names."""
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=56, bias=True)
+    w = fmt.reconstruct(t.trellis, "mul1")
+    for rows in (12, 17, 24, 32):
+        x = torch.randn(rows, n_in, device=DEV).half()
+        x[:, 5] = 16.0  # a large row sum, so that a missing or doubled MUL1 constant term shows
+        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+        with ops.debug_variant(56):
+            wg = SA_WGMMA if HOPPER and rows > 16 else 0
+            assert _sa_cfgs(run) == [SA_A12 | SA_FUSED_SLICE | wg], rows
+            y = run()
+        with ops.debug_variant(30):  # the block-shared kernel as shipped without wgmma (CFG 0)
+            y_shipped = run()
+        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
+        assert rel_rms(y, y_shipped) < 1e-3, rows
+    assert workspaces_zero()
+
+
 def test_wgmma_form_by_default_on_a_large_layer_and_not_past_k4():
     """Under the default rules: 32 and 20 rows of a 4096x14336 layer take the wgmma form on Hopper
     at K = 4; K = 5 keeps the synchronous MMAs; 16 rows (two groups) never take it."""
