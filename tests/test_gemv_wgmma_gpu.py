@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run,  # noqa: E402
-                               rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_FUSED_SLICE, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA,  # noqa: E402
+                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -48,7 +48,8 @@ def test_wgmma_form_matches_reference(K, cb):
     (17..24), a bias, and a shape with several k slices: on Hopper the wgmma form runs and gives
     the reference's product, and the synchronous form's up to fp32 summation order; off it (or on
     another GPU) the synchronous form runs. K = 4 MUL1's wgmma form at four tiles a unit masks the
-    states' A once (kSaA12, shipped since session 45); the synchronous form keeps CFG 0."""
+    states' A once (kSaA12, shipped since session 45) and takes its slice in one pass
+    (kSaFusedSlice, since session 47); the synchronous form keeps CFG 0."""
     ext = ops.extension()
     t = rand_layer(2048, 1536, K, cb, seed=40 + K, bias=True)
     w = fmt.reconstruct(t.trellis, cb)
@@ -61,8 +62,8 @@ def test_wgmma_form_matches_reference(K, cb):
             assert len(cfg_on) == 1 and bool(cfg_on[0] & SA_WGMMA) == HOPPER, (rows, cfg_on)
             assert cfg_on[0] & SA_TWO_TILES == (SA_TWO_TILES if rows > 24 else 0), (rows, cfg_on)
             a12 = HOPPER and K == 4 and cb == "mul1" and rows <= 24
-            assert bool(cfg_on[0] & SA_A12) == a12, (rows, cfg_on)
-            assert cfg_off == [cfg_on[0] & ~(SA_WGMMA | SA_A12)], (rows, cfg_on, cfg_off)
+            assert bool(cfg_on[0] & SA_A12) == a12 and bool(cfg_on[0] & SA_FUSED_SLICE) == a12, (rows, cfg_on)
+            assert cfg_off == [cfg_on[0] & ~(SA_WGMMA | SA_A12 | SA_FUSED_SLICE)], (rows, cfg_on, cfg_off)
             want = fmt.exl3_matmul_reference(x.float(), t, w)
             assert rel_rms(y_on, want) < 2e-3, (rows, rel_rms(y_on, want))
             assert rel_rms(y_on, y_off) < 1e-3, rows
@@ -92,16 +93,14 @@ def test_wgmma_form_with_other_decodes(variant, decode):
     assert workspaces_zero()
 
 
-SA_FUSED_SLICE = 32768  # kSaFusedSlice, csrc/exl3_gemv_sa.cuh
-
-
 @pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (4096, 14336)])
 def test_slice_in_one_pass_matches_reference(n_in, n_out):
     """Debug variant 56 (the A12 form taking its activation slice in one pass: loads, stores in
-    wgmma's layout, per-thread partial row sums summed at the flush) at two row groups (12 rows:
-    the synchronous kernel, slice stored as loaded) and four (17, 24, 32: wgmma on Hopper), with a
-    bias, several k slices and rows past m in the last group: the reference's product, and the
-    shipped kernel's up to fp32 summation order, from the kernel the profiler names."""
+    wgmma's layout, per-thread partial row sums summed at the flush; at 17..32 rows on Hopper the
+    shipped K = 4 MUL1 kernel since session 47) at two row groups (12 rows: the synchronous
+    kernel, slice stored as loaded) and four (17, 24, 32: wgmma on Hopper), with a bias, several k
+    slices and rows past m in the last group: the reference's product, and the synchronous
+    three-pass kernel's (variant 30) up to fp32 summation order, from the kernel the profiler names."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=56, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
     for rows in (12, 17, 24, 32):
@@ -112,10 +111,10 @@ def test_slice_in_one_pass_matches_reference(n_in, n_out):
             wg = SA_WGMMA if HOPPER and rows > 16 else 0
             assert _sa_cfgs(run) == [SA_A12 | SA_FUSED_SLICE | wg], rows
             y = run()
-        with ops.debug_variant(30):  # the block-shared kernel as shipped without wgmma (CFG 0)
-            y_shipped = run()
+        with ops.debug_variant(30):  # the block-shared kernel without wgmma, its slice in three passes (CFG 0)
+            y_passes = run()
         assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
-        assert rel_rms(y, y_shipped) < 1e-3, rows
+        assert rel_rms(y, y_passes) < 1e-3, rows
     assert workspaces_zero()
 
 
