@@ -85,9 +85,13 @@ namespace trellis {
 // CFG 32768 (kSaFusedSlice, debug variant 56, the same A12 form): the slice in one pass: each thread
 // loads its 16-byte chunks of the slice into registers and stores them already in wgmma's layout,
 // adding their values into its row's partial sum as it goes; one barrier after. The partials (16 /
-// NG a row, from threads in different warps) are summed where a flush needs them. Why: the shipped
-// prologue copies, waits, reads the slice back for the row sums, reads and rewrites it for wgmma,
-// with a block barrier after each of the three.
+// NG a row, from threads in different warps) are summed where a flush needs them. Why: the
+// three-pass prologue copies, waits, reads the slice back for the row sums, reads and rewrites it
+// for wgmma, with a block barrier after each. Session 47 (H100, against variant 49, the three-pass
+// form): 0.2-5.1% faster in eleven of twelve pairs at 17 / 24 / 32 rows of 8192x28672 and
+// 4096x28672, 0.1% slower in one; shipped since for K = 4 MUL1's wgmma form (sa_wgmma_cfg). The
+// copy itself, which every block of the one wave still waits for at once, is most of what is
+// left (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaFusedSlice = 32768, kSaSliceOnly = 65536;
