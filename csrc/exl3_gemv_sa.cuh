@@ -615,9 +615,10 @@ constexpr int sa_wgmma_cfg() {
     return kSaWgmma | (K == 4 && CB == CB_MUL1 ? kSaA12 | kSaFusedSlice : 0);
 }
 
-// A decode form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts; debug variants
-// 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45): in the wgmma form
-// where that applies (sa_wgmma, four tiles a unit), else the synchronous.
+// A debug form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts, debug variants
+// 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45; kSaA12 with one of the
+// slice forms, variants 54-56): in the wgmma form where that applies (sa_wgmma, four tiles a
+// unit), else the synchronous.
 template <int K, int CB, int NG, int DECODE>
 cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
     if constexpr (NG == 4) {
