@@ -6,9 +6,9 @@
 #   time is left, the GPU tests of the files that session 47's removal of debug variant 52 touched
 #   (prep_frag's integer form, the per-warp kernel's dispatch).
 # - Elsewhere: the debug build and the whole GPU suite (gpu_common.sh), then batch-1 decode.
-# `bash bench/session47.sh profile` (ran on an H100): on an H200 the goals first (as above); then, on any card, the
-# shipped build and ncu of the 32- and 8-row K = 4 products of 8192x28672 with their stall samples
-# per SASS instruction ($OUT/ncu_src_m32.csv, _m8.csv). Why: the 32-row product (the wgmma form,
+# `bash bench/session47.sh profile` (ran on an H100): on an H200 the goals first (as above); then,
+# on any card, the shipped build and ncu of the 32- and 8-row K = 4 products of 8192x28672 with
+# their stall samples per SASS instruction ($OUT/ncu_src_m32.csv, _m8.csv). Why: the 32-row product (the wgmma form,
 # A12 since session 45) issues on 66% of the H200's cycles with 0.91 warps per issue waiting on fixed
 # latencies (session 43); where in its loop they wait says what a next formulation has to change.
 # `bash bench/session47.sh flush` (any card; ran on an H100 at fe4adf1, whose gv_flush_f16 had the
