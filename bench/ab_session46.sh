@@ -1,6 +1,7 @@
 #!/bin/bash
-# Session 45's second call (written as ab_session45.sh, unrun; session 46 added part 6 and GOALS=0),
-# on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds (default 540): each part
+# Session 45's second call (written as ab_session45.sh, unrun; session 46 added part 6 and GOALS=0;
+# ran in session 47 on an H100 with GOALS=0, after which variant 52 was removed, so its variant-52
+# parts no longer time what they name: a record), on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds (default 540): each part
 # after the first runs only if the call's clock leaves it room.
 # 1. On an H200 with CALL_S >= 500 (and not GOALS=0), first the issue's goals (bench/h200_goals.sh,
 #    its own shipped build), which now include the K = 4 MUL1 wgmma form with A12 (session 45; variant 49 until then).

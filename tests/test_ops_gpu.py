@@ -129,9 +129,9 @@ def groups_and_cfgs(run) -> set[tuple[int, int]]:
 def test_integer_path_four_row_units_at_two_groups_match_reference(n_in, n_out):
     """Debug variant 51 (CFG 13): the integer path's 5..8 rows in units of four k rows of 4 tiles
     (shipped: one k row). It gives the reference's product and the shipped kernel's up to fp32
-    summation order, with a bias; at 1..4 rows (one group) the variant runs the shipped kernel. Which kernel ran is read from the profiler's names
-    (exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, ...>), so a dispatch that fell through to the
-    shipped kernel would fail here."""
+    summation order, with a bias; at 1..4 rows (one group) the variant runs the shipped kernel.
+    Which kernel ran is read from the profiler's names (exl3_gemv_kernel<K, CB, PATH, NG, VAR,
+    CFG, ...>), so a dispatch that fell through to the shipped kernel would fail here."""
     t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
     ref_w = fmt.reconstruct(t.trellis, "mul1")
     for rows in (2, 5, 7, 8):
