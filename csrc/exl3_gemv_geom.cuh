@@ -25,13 +25,12 @@ constexpr int kSaVarTwoTiles = 44;  // the block-shared kernel with two tiles pe
 constexpr int kSaVarSkipEmpty = 45;  // debug: no MMAs for its empty row groups (kSaSkipEmpty)
 constexpr int kSaVarInFinish = 46;   // debug: its warps' output stage compiled in (kSaInFinish), run split
 constexpr int kSaVarWgmmaTcSum = 48;  // debug: its wgmma form with MUL1's byte sums by MMAs (kSaTcSum)
-constexpr int kSaVarWgmmaA12 = 49;       // debug: its wgmma form with the states' A masked once (kSaA12; shipped for K = 4 MUL1 in sessions 45-47)
+constexpr int kSaVarWgmmaA12 = 49;       // debug: its wgmma form with the states' A masked once (kSaA12; the shipped K = 4 MUL1 form since session 45)
 constexpr int kSaVarWgmmaProducts = 50;  // debug: its wgmma form on the integer path's products (kSaProducts)
 constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows in four-k-row units (CFG 13)
 constexpr int kSaVarWgmmaNoA12 = 53;     // debug: its wgmma form without A12 (shipped until session 45)
 constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12 form without the activation slice (kSaNoSlice)
-constexpr int kSaVarSliceOnly = 55;      // debug probe (wrong results): the same with the slice copied, no passes over it (kSaSliceOnly)
-constexpr int kSaVarFusedSlice = 56;     // debug: its A12 form taking the slice in one pass (kSaFusedSlice; shipped for K = 4 MUL1's wgmma form)
+// 55 and 56 (session 47): the slice copied without passes over it (a probe), and in one pass (every form since session 48)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -79,22 +79,29 @@ namespace trellis {
 // csrc/PERF_NOTES.md); this bounds what copying the slice in parts behind the first units could
 // gain before anything is built. Session 47 (H100): 17 / 24 / 32 rows of 8192x28672 64.3-64.7 /
 // 65.8-66.2 / 67.5 us against the shipped 66.9-67.2 / 69.1-69.2 / 73.4-73.5, 4096x28672 8-9% less.
-// CFG 65536 (kSaSliceOnly, debug variant 55, the same A12 form): a probe with wrong results that
-// copies the slice and waits for it but leaves out the row sums' and the rearrangement's passes over
-// it (and their barriers): with 54 it says whether the copy or the passes cost.
-// CFG 32768 (kSaFusedSlice, debug variant 56, the same A12 form): the slice in one pass: each thread
-// loads its 16-byte chunks of the slice into registers and stores them already in wgmma's layout,
-// adding their values into its row's partial sum as it goes; one barrier after. The partials (16 /
-// NG a row, from threads in different warps) are summed where a flush needs them. Why: the
-// three-pass prologue copies, waits, reads the slice back for the row sums, reads and rewrites it
-// for wgmma, with a block barrier after each. Session 47 (H100, against variant 49, the three-pass
-// form): 0.2-5.1% faster in eleven of twelve pairs at 17 / 24 / 32 rows of 8192x28672 and
-// 4096x28672, 0.1% slower in one; shipped since for K = 4 MUL1's wgmma form (sa_wgmma_cfg). The
-// copy itself, which every block of the one wave still waits for at once, is most of what is
-// left (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672).
+// Debug variant 55 (session 47) copied the slice and waited for it without the passes over it
+// (a probe); with 54 it said the copy, not the passes, costs most (csrc/PERF_NOTES.md).
+// The slice in one pass (session 47; every block-shared form since session 48): each thread loads
+// its 16-byte chunks of the slice into registers (8 loads in flight) and stores them straight into
+// the form's layout (wgmma's core matrices, or prep_frag's order for the synchronous MMAs), adding
+// their values into its rows' partial sums as it goes (MUL1 raw decode); one barrier after. The
+// partials (16 / NG a row, from threads of different warps) are summed where a flush needs them.
+// Why: the form before copied the slice, waited, read it back for the row sums, then read and
+// rewrote it into wgmma's layout, a block barrier after each. Measured on an H100, against that
+// form in the same process: the A12 wgmma form at 17..32 rows of 8192x28672 and 4096x28672 0.2-5.1%
+// faster in 11 of 12 pairs (session 47), the synchronous A12 form at 9 / 12 / 16 rows of 8192x28672
+// and 4096x14336 (debug variant 56 against 39, session 48) 0.4-2.1% faster in 11 of 12. The copy
+// itself, which every block of the one wave still waits for at once, is most of what is left
+// (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672). TRELLIS_SA_THREE_PASS (an A/B
+// build, TRELLIS_NVCC_DEFINES) compiles the form before.
+#ifdef TRELLIS_SA_THREE_PASS
+constexpr bool kSaThreePass = true;
+#else
+constexpr bool kSaThreePass = false;
+#endif
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaFusedSlice = 32768, kSaSliceOnly = 65536;
+              kSaNoSlice = 16384;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -108,9 +115,9 @@ struct SaShape {
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
     static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
     static constexpr int RING_WORDS = kGvWarps * NS * SW;
-    // the slice's row sums (MUL1, raw decode); kSaFusedSlice: SUM_SLOTS partials a row, 128 in all
+    // the slice's row sums (MUL1, raw decode): SUM_SLOTS partials a row, 128 in all
     static constexpr int SUM_SLOTS = kGvWarps * 32 / (BROW / 4);
-    static constexpr int SUM_WORDS = CFG & kSaFusedSlice ? NG * 8 * SUM_SLOTS : 32;
+    static constexpr int SUM_WORDS = kSaThreePass ? 32 : NG * 8 * SUM_SLOTS;
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -175,9 +182,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
-    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
-    constexpr bool kFused = (CFG & kSaFusedSlice) != 0;  // row_sums: [NG * 8][SUM_SLOTS] partials
-    if (RAW && !kFused && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
+    // RAW: the slice's rows' partial sums, [NG * 8][SUM_SLOTS] (the three-pass A/B form: [32] sums)
+    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);
+    if (RAW && kSaThreePass && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
 
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
@@ -215,9 +222,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
     constexpr bool kSlice = !(CFG & kSaNoSlice);
-    constexpr bool kPasses = kSlice && !kFused && !(CFG & kSaSliceOnly);  // the row sums' and wgmma layout's passes
-    static_assert(!kFused || kSlice, "one slice form");
-    if constexpr (kFused) {
+    constexpr bool kPasses = kSlice && kSaThreePass;  // the A/B form's row sums' and wgmma layout's passes
+    if constexpr (kSlice && !kSaThreePass) {
         // Chunk p of each k row (16 bytes: words 4 p .. 4 p + 3, all of one row of x); the thread
         // takes every SUM_SLOTS-th k row from its own, 8 loads in flight before their stores.
         constexpr int kRowChunks = BROW / 4, kStride = S::SUM_SLOTS, kBatch = 8;
@@ -408,7 +414,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
                         const int row = gr * 8 + 2 * (lane & 3);
-                        if constexpr (kFused) {  // the rows' partials
+                        if constexpr (!kSaThreePass) {  // the rows' partials
                             sacc[gr][0] = sacc[gr][1] = 0.f;
                             if (grp_row0) {
 #pragma unroll
@@ -536,14 +542,13 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50 and 53-56 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
-           variant == kSaVarSliceOnly || variant == kSaVarFusedSlice;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -607,18 +612,20 @@ bool sa_wgmma(const MmArgs& a, int ct) {
     return a.out % span == 0 && segments_start_on(a, span);
 }
 
-// The shipped wgmma form's CFG at four tiles a unit: K = 4 MUL1 with A12 (session 45) and its
-// slice taken in one pass (session 47: debug variant 56 against 49, the form before, on an H100:
-// 0-5% faster at 17..32 rows of 8192x28672 and 4096x28672), else plain.
-template <int K, int CB>
-constexpr int sa_wgmma_cfg() {
-    return kSaWgmma | (K == 4 && CB == CB_MUL1 ? kSaA12 | kSaFusedSlice : 0);
+// The shipped decode bits of a block-shared form: K = 4 MUL1 masks the states' A once (kSaA12)
+// where that measured faster, the wgmma form at four tiles a unit (session 45, debug variant 49
+// against 53) and the synchronous form at two row groups (session 48, H100: 9 / 12 / 16 rows of
+// 8192x28672 2.3-2.9% faster, variant 39 against the shipped CFG 0); no others have been timed
+// with it since session 32, where the synchronous four-group form ran no faster.
+template <int K, int CB, int NG, bool WGMMA_FOUR_TILES>
+constexpr int sa_decode_cfg() {
+    return K == 4 && CB == CB_MUL1 && (WGMMA_FOUR_TILES || NG == 2) ? kSaA12 : 0;
 }
 
 // A debug form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts, debug variants
-// 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45; kSaA12 with one of the
-// slice forms, variants 54-56): in the wgmma form where that applies (sa_wgmma, four tiles a
-// unit), else the synchronous.
+// 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45; kSaA12 | kSaNoSlice,
+// the probe variant 54): in the wgmma form where that applies (sa_wgmma, four tiles a unit), else
+// the synchronous.
 template <int K, int CB, int NG, int DECODE>
 cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
     if constexpr (NG == 4) {
@@ -637,7 +644,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if constexpr (K <= 4) {
                 if (variant == 0 && sa_wgmma<K>(a, two ? 2 : 4))
                     return two ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma>(a, stream)
-                               : launch_gemv_sa<K, CB, NG, sa_wgmma_cfg<K, CB>()>(a, stream);
+                               : launch_gemv_sa<K, CB, NG, kSaWgmma | sa_decode_cfg<K, CB, NG, true>()>(a, stream);
             }
             if (two) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
@@ -657,10 +664,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, stream);
             if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, stream);
-            if (variant == kSaVarSliceOnly) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaSliceOnly>(a, stream);
-            if (variant == kSaVarFusedSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaFusedSlice>(a, stream);
         }
-        return launch_gemv_sa<K, CB, NG>(a, stream);
+        return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }
     return launch_gemv_ng<K, CB, GV_F16, NG>(a, variant == 31 ? 0 : variant, stream);
 }

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_FUSED_SLICE, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA,  # noqa: E402
-                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run,  # noqa: E402
+                               rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -48,8 +48,8 @@ def test_wgmma_form_matches_reference(K, cb):
     (17..24), a bias, and a shape with several k slices: on Hopper the wgmma form runs and gives
     the reference's product, and the synchronous form's up to fp32 summation order; off it (or on
     another GPU) the synchronous form runs. K = 4 MUL1's wgmma form at four tiles a unit masks the
-    states' A once (kSaA12, shipped since session 45) and takes its slice in one pass
-    (kSaFusedSlice, since session 47); the synchronous form keeps CFG 0."""
+    states' A once (kSaA12, shipped since session 45); the synchronous form at four row groups
+    keeps CFG 0."""
     ext = ops.extension()
     t = rand_layer(2048, 1536, K, cb, seed=40 + K, bias=True)
     w = fmt.reconstruct(t.trellis, cb)
@@ -62,8 +62,8 @@ def test_wgmma_form_matches_reference(K, cb):
             assert len(cfg_on) == 1 and bool(cfg_on[0] & SA_WGMMA) == HOPPER, (rows, cfg_on)
             assert cfg_on[0] & SA_TWO_TILES == (SA_TWO_TILES if rows > 24 else 0), (rows, cfg_on)
             a12 = HOPPER and K == 4 and cb == "mul1" and rows <= 24
-            assert bool(cfg_on[0] & SA_A12) == a12 and bool(cfg_on[0] & SA_FUSED_SLICE) == a12, (rows, cfg_on)
-            assert cfg_off == [cfg_on[0] & ~(SA_WGMMA | SA_A12 | SA_FUSED_SLICE)], (rows, cfg_on, cfg_off)
+            assert bool(cfg_on[0] & SA_A12) == a12, (rows, cfg_on)
+            assert cfg_off == [cfg_on[0] & ~(SA_WGMMA | SA_A12)], (rows, cfg_on, cfg_off)
             want = fmt.exl3_matmul_reference(x.float(), t, w)
             assert rel_rms(y_on, want) < 2e-3, (rows, rel_rms(y_on, want))
             assert rel_rms(y_on, y_off) < 1e-3, rows
@@ -93,28 +93,34 @@ def test_wgmma_form_with_other_decodes(variant, decode):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (4096, 14336)])
-def test_slice_in_one_pass_matches_reference(n_in, n_out):
-    """Debug variant 56 (the A12 form taking its activation slice in one pass: loads, stores in
-    wgmma's layout, per-thread partial row sums summed at the flush; at 17..32 rows on Hopper the
-    shipped K = 4 MUL1 kernel since session 47) at two row groups (12 rows: the synchronous
-    kernel, slice stored as loaded) and four (17, 24, 32: wgmma on Hopper), with a bias, several k
-    slices and rows past m in the last group: the reference's product, and the synchronous
-    three-pass kernel's (variant 30) up to fp32 summation order, from the kernel the profiler names."""
+@pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (14336, 4096)])
+def test_slice_in_one_pass_keeps_mul1_row_sums(n_in, n_out):
+    """Every block-shared form takes its activation slice in one pass (session 48), summing each
+    row's values in per-thread partials that the first k row's flush adds up: MUL1's constant
+    term. One large column makes a missing, doubled or misplaced row sum show. The shipped forms at
+    one, two and four row groups (5, 12, 17, 24 and 32 rows: synchronous, synchronous with A12,
+    wgmma at four and two tiles a unit on Hopper), with rows past m in the last group and several k
+    slices of uneven length (14,336 inputs): the reference's product, and the per-warp kernel's (no
+    slice) up to fp32 summation order."""
+    ext = ops.extension()
     t = rand_layer(n_in, n_out, 4, "mul1", seed=56, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (12, 17, 24, 32):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        x[:, 5] = 16.0  # a large row sum, so that a missing or doubled MUL1 constant term shows
-        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
-        with ops.debug_variant(56):
-            wg = SA_WGMMA if HOPPER and rows > 16 else 0
-            assert _sa_cfgs(run) == [SA_A12 | SA_FUSED_SLICE | wg], rows
+    try:
+        for rows in (5, 12, 17, 24, 32):
+            x = torch.randn(rows, n_in, device=DEV).half()
+            x[:, 5] = 16.0
+            run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+            ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
+            (cfg,) = _sa_cfgs(run)
+            assert bool(cfg & SA_A12) == (rows in (12, 17, 24) if HOPPER else rows == 12), (rows, cfg)
             y = run()
-        with ops.debug_variant(30):  # the block-shared kernel without wgmma, its slice in three passes (CFG 0)
-            y_passes = run()
-        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
-        assert rel_rms(y, y_passes) < 1e-3, rows
+            ext.set_gemv_shared_acts(0)  # the per-warp kernel
+            assert _sa_cfgs(run) == [], rows
+            y_per_warp = run()
+            assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
+            assert rel_rms(y, y_per_warp) < 1e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()
 
 
