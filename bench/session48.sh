@@ -11,7 +11,9 @@
 #   9..16 rows; whole-model decode at batch 12, 16 and 32 alternating builds.
 # Its first call (H100, at 5febec8 plus the script) ran the whole suite and, at 9 / 12 / 16 rows of
 # 8192x28672 and 4096x14336, the shipped product against debug variants 39 (A12) and 56 (A12 and
-# the one-pass slice; gone since, every form's now).
+# the one-pass slice; gone since, every form's now). The second (H100, at 80300a1) ran the A/B
+# above; the three-pass form and its define are gone since (csrc/PERF_NOTES.md, session 48), so the
+# script is a record: its A/B build would now compile the one-pass form twice.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-560} - ($(date +%s) - t_call) )); }

@@ -87,18 +87,13 @@ namespace trellis {
 // their values into its rows' partial sums as it goes (MUL1 raw decode); one barrier after. The
 // partials (16 / NG a row, from threads of different warps) are summed where a flush needs them.
 // Why: the form before copied the slice, waited, read it back for the row sums, then read and
-// rewrote it into wgmma's layout, a block barrier after each. Measured on an H100, against that
-// form in the same process: the A12 wgmma form at 17..32 rows of 8192x28672 and 4096x28672 0.2-5.1%
-// faster in 11 of 12 pairs (session 47), the synchronous A12 form at 9 / 12 / 16 rows of 8192x28672
-// and 4096x14336 (debug variant 56 against 39, session 48) 0.4-2.1% faster in 11 of 12. The copy
-// itself, which every block of the one wave still waits for at once, is most of what is left
-// (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672). TRELLIS_SA_THREE_PASS (an A/B
-// build, TRELLIS_NVCC_DEFINES) compiles the form before.
-#ifdef TRELLIS_SA_THREE_PASS
-constexpr bool kSaThreePass = true;
-#else
-constexpr bool kSaThreePass = false;
-#endif
+// rewrote it into wgmma's layout, a block barrier after each. Measured on H100s against that form:
+// the A12 wgmma form at 17..32 rows of 8192x28672 and 4096x28672 0.2-5.1% faster in 11 of 12 pairs
+// (session 47); every form (session 48, an A/B build, bench/session48.sh) faster in 57 of 68 pairs
+// of K = 4 MUL1 at 9..32 rows of five shapes and K = 2 3INST, the two-tile wgmma form (32 rows of
+// 4096x14336 and 14336x4096) by 6-8%; decode at batch 32 / 16 / 12 7,332 / 4,128 / 3,384 tok/s
+// against 7,128 / 4,116 / 3,315. The copy itself, which every block of the one wave still waits for
+// at once, is most of what is left (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384;
@@ -117,7 +112,7 @@ struct SaShape {
     static constexpr int RING_WORDS = kGvWarps * NS * SW;
     // the slice's row sums (MUL1, raw decode): SUM_SLOTS partials a row, 128 in all
     static constexpr int SUM_SLOTS = kGvWarps * 32 / (BROW / 4);
-    static constexpr int SUM_WORDS = kSaThreePass ? 32 : NG * 8 * SUM_SLOTS;
+    static constexpr int SUM_WORDS = NG * 8 * SUM_SLOTS;
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -182,9 +177,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
-    // RAW: the slice's rows' partial sums, [NG * 8][SUM_SLOTS] (the three-pass A/B form: [32] sums)
+    // RAW: the slice's rows' partial sums, [NG * 8][SUM_SLOTS]
     float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);
-    if (RAW && kSaThreePass && threadIdx.x < 32) row_sums[threadIdx.x] = 0.f;
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
 
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
@@ -221,9 +215,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     for (int s = 0; s < NS - 1; ++s) issue(s);
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
-    constexpr bool kSlice = !(CFG & kSaNoSlice);
-    constexpr bool kPasses = kSlice && kSaThreePass;  // the A/B form's row sums' and wgmma layout's passes
-    if constexpr (kSlice && !kSaThreePass) {
+    if constexpr (!(CFG & kSaNoSlice)) {
         // Chunk p of each k row (16 bytes: words 4 p .. 4 p + 3, all of one row of x); the thread
         // takes every SUM_SLOTS-th k row from its own, 8 loads in flight before their stores.
         constexpr int kRowChunks = BROW / 4, kStride = S::SUM_SLOTS, kBatch = 8;
@@ -246,7 +238,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                     t += ((a.x + a.y) + (b.x + b.y)) + ((c.x + c.y) + (d.x + d.y));
                 }
                 uint32_t* row = sa_smem + base + r * BROW;
-                if constexpr (WG) {  // words 2 l and 2 l + 1 of the group to l and 32 + l (see below)
+                // wgmma's K-major B layout: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 +
+                // 8 (w % 2) of row (w % 64) / 8, so words 2 l and 2 l + 1 of a group of 8 rows go to
+                // l and 32 + l: the core matrices of k 0..7 and 8..15, each 8 rows of 16 bytes
+                // (descriptor: 128 bytes between the two along k, 256 between groups of rows).
+                if constexpr (WG) {
                     *reinterpret_cast<uint2*>(row + 2 * q) = make_uint2(v[i].x, v[i].z);
                     *reinterpret_cast<uint2*>(row + 32 + 2 * q) = make_uint2(v[i].y, v[i].w);
                 } else {
@@ -260,47 +256,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             if ((p & 1) == 0) row_sums[xrow * kStride + threadIdx.x / kRowChunks] = t;
         }
         if constexpr (WG) wg_fence_smem_writes();
-        __syncthreads();
-    } else if constexpr (kSlice) {
-        const uint32_t* src = xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW;
-        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
-        for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(dst + c * 16, src + c * 4);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
-    if constexpr (RAW && kPasses) {
-        // Word w of a k row's fragments holds two values of row (w / 64) * 8 + (w % 64) / 8: a
-        // thread keeps one word position over its k rows (BROW, 64 words per group, divides the
-        // block's 256 threads), the 8 lanes of one row add theirs, and one of them adds the sum to
-        // the row's total in shared memory.
-        const int w = threadIdx.x % BROW;
-        float t = 0.f;
-        for (int r = threadIdx.x / BROW; r < nr; r += kGvWarps * 32 / BROW) {
-            const float2 f = __half22float2(as_h2(sa_smem[acts + r * BROW + w]));
-            t += f.x + f.y;
-        }
-        t += __shfl_xor_sync(0xffffffffu, t, 1);
-        t += __shfl_xor_sync(0xffffffffu, t, 2);
-        t += __shfl_xor_sync(0xffffffffu, t, 4);
-        const int row = (w >> 6) * 8 + ((w & 63) >> 3);
-        if ((w & 7) == 0 && row < m) atomicAdd(row_sums + row, t);
-        __syncthreads();
-    }
-    if constexpr (WG && kPasses) {
-        // The slice into wgmma's K-major B layout, in place, a group of 8 rows of a k row (64
-        // words) at a time: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 + 8 (w % 2)
-        // of row (w % 64) / 8, so lane l's words 2 l and 2 l + 1 go to l and 32 + l: the core
-        // matrices of k 0..7 and 8..15, each 8 rows of 16 bytes (descriptor: 128 bytes between
-        // the two along k, 256 between groups of rows).
-        for (int i = warp; i < nr * NG; i += kGvWarps) {
-            const uint2 w2 = *reinterpret_cast<const uint2*>(sa_smem + acts + i * 64 + lane * 2);
-            __syncwarp();
-            sa_smem[acts + i * 64 + lane] = w2.x;
-            sa_smem[acts + i * 64 + 32 + lane] = w2.y;
-            __syncwarp();
-        }
-        wg_fence_smem_writes();
         __syncthreads();
     }
     if (n_units <= 0) return;
@@ -414,20 +369,14 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
                         const int row = gr * 8 + 2 * (lane & 3);
-                        if constexpr (!kSaThreePass) {  // the rows' partials
-                            sacc[gr][0] = sacc[gr][1] = 0.f;
-                            if (grp_row0) {
+                        sacc[gr][0] = sacc[gr][1] = sacc[gr][2] = sacc[gr][3] = 0.f;
+                        if (grp_row0) {  // the rows' partials
 #pragma unroll
-                                for (int j = 0; j < S::SUM_SLOTS; ++j) {
-                                    sacc[gr][0] += row_sums[row * S::SUM_SLOTS + j];
-                                    sacc[gr][1] += row_sums[(row + 1) * S::SUM_SLOTS + j];
-                                }
+                            for (int j = 0; j < S::SUM_SLOTS; ++j) {
+                                sacc[gr][0] += row_sums[row * S::SUM_SLOTS + j];
+                                sacc[gr][1] += row_sums[(row + 1) * S::SUM_SLOTS + j];
                             }
-                        } else {
-                            sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
-                            sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
                         }
-                        sacc[gr][2] = sacc[gr][3] = 0.f;
                     }
                     gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
                 } else {
