@@ -319,9 +319,10 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         return y;
     }
     torch::Tensor xh, xb, sq, scales, csum;
-    if (use_i8) {
-        scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
+    if (use_i8) scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
+    if (use_i8 || (a.version == 3 && codebook == kCodebookMul1))  // (fp16 path: gemv_f16_acts)
         csum = torch::empty({nseg, chunk, in / 128}, x.options().dtype(torch::kFloat));
+    if (use_i8) {
         a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
         a.csum = csum.data_ptr<float>();
     }
@@ -346,19 +347,25 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         const half* xr = open_in ? nullptr : hptr(x) + r0 * x.stride(0);
         float2* sc = use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr;
         float* cs = use_i8 ? csum.data_ptr<float>() : nullptr;
+        if (fused_out) a.y = hptr_mut(y) + r0 * out;
+        if (a.version == 3 && !use_i8) {  // the fp16 path: what its product's form wants from the prep
+            const int acts = trellis::gemv_f16_acts(a);
+            a.acts_wgmma = acts & trellis::kActsWgmma;
+            if (acts & trellis::kActsChunkSums) cs = csum.data_ptr<float>();
+            a.csum = cs;
+        }
         if (a.version == 3) {
             CHECK_CUDA_OK(trellis::prep_frag(xr, (int)x.stride(0), hptr(suh),
                                              reinterpret_cast<uint32_t*>(xb.data_ptr()), sc, cs, rows,
                                              (int)in, trellis::gemv_groups(rows, use_i8), nseg, stream,
                                              up.has_value() && !open_in ? hptr(*up) + r0 * up->stride(0) : nullptr,
                                              up.has_value() ? (int)up->stride(0) : 0, (int)act,
-                                             chunk_norm(norm, r0 * in), xo, uo));
+                                             chunk_norm(norm, r0 * in), xo, uo, a.acts_wgmma));
         } else {
             CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
                                           use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,
                                           (int)in, sc, cs, rows, (int)in, stream));
         }
-        if (fused_out) a.y = hptr_mut(y) + r0 * out;
         CHECK_CUDA_OK(trellis::exl3_mm_partial(a, stream));
         if (open_out) return workspace.narrow(0, 0, m * out).view({m, out});
         if (!fused_out)

@@ -7,8 +7,9 @@
 // next to its trellis. At 32 rows that k row is 1 KB of fp16 fragments for 2 tiles (256 bytes at
 // K = 4) of trellis: 470 MB of L2 -> shared traffic for a 117 MB layer (8192x28672), and ring
 // space that limits a unit to 2 tiles. Here a block owns one slice of k rows (at most 64 KB of
-// fragments) and copies it into shared memory once; its 8 warps stream only trellis, in units of
-// CT tiles x 2 k rows of that slice, and read their B fragments from the block's copy. Split-k,
+// fragments, whole 128-input chunks) and copies it into shared memory once, in parts (see "The
+// slice in parts" below); its 8 warps stream only trellis, in units of CT tiles x 2 or 4 k rows of
+// that slice, and read their B fragments from the block's copy. Split-k,
 // the atomics into z and the output stage (the warp that completes a 128-column block, here after
 // its main loop) are the version-3 kernel's. Measured (H200, session 8): 8192x28672 at 32 rows
 // 103 us against 125; for small layers the slice copy per block does not pay.
@@ -19,6 +20,7 @@
 // ranges in the wgmma form, whose units are 4 column groups wide).
 #pragma once
 #include "exl3_gemv.cuh"
+#include "mbarrier.cuh"
 #include "wgmma.cuh"
 
 namespace trellis {
@@ -79,21 +81,31 @@ namespace trellis {
 // csrc/PERF_NOTES.md); this bounds what copying the slice in parts behind the first units could
 // gain before anything is built. Session 47 (H100): 17 / 24 / 32 rows of 8192x28672 64.3-64.7 /
 // 65.8-66.2 / 67.5 us against the shipped 66.9-67.2 / 69.1-69.2 / 73.4-73.5, 4096x28672 8-9% less.
+// (Since session 48 it also leaves out the parts' mbarriers and the row sums.)
 // Debug variant 55 (session 47) copied the slice and waited for it without the passes over it
 // (a probe); with 54 it said the copy, not the passes, costs most (csrc/PERF_NOTES.md).
-// The slice in one pass (session 47; every block-shared form since session 48): each thread loads
-// its 16-byte chunks of the slice into registers (8 loads in flight) and stores them straight into
-// the form's layout (wgmma's core matrices, or prep_frag's order for the synchronous MMAs), adding
-// their values into its rows' partial sums as it goes (MUL1 raw decode); one barrier after. The
-// partials (16 / NG a row, from threads of different warps) are summed where a flush needs them.
-// Why: the form before copied the slice, waited, read it back for the row sums, then read and
-// rewrote it into wgmma's layout, a block barrier after each. Measured on H100s against that form:
-// the A12 wgmma form at 17..32 rows of 8192x28672 and 4096x28672 0.2-5.1% faster in 11 of 12 pairs
-// (session 47); every form (session 48, an A/B build, bench/session48.sh) faster in 57 of 68 pairs
-// of K = 4 MUL1 at 9..32 rows of five shapes and K = 2 3INST, the two-tile wgmma form (32 rows of
-// 4096x14336 and 14336x4096) by 6-8%; decode at batch 32 / 16 / 12 7,332 / 4,128 / 3,384 tok/s
-// against 7,128 / 4,116 / 3,315. The copy itself, which every block of the one wave still waits for
-// at once, is most of what is left (variant 55 against 54: 2.4-4.7 us at 24 / 32 rows of 8192x28672).
+// The slice in parts (session 48): thread 0 copies the slice in up to 8 parts of whole chunks, each
+// one bulk copy (TMA) counted on an mbarrier of its own, and a warp waits for a part only before
+// the first unit whose k rows are in it; the prep (prep_frag) wrote the activations in the form's
+// layout (wgmma's core matrices for the wgmma forms: gemv_f16_acts, sa_form) and MUL1's chunk sums,
+// of which each thread loads one at the start and adds it into the row sums after its first unit,
+// on one more mbarrier that only a flush of the slice's first k row waits for. Below sm_90 the
+// block copies the whole slice by cp.async and waits for it. Why: every block of the one wave
+// waited for its whole slice at once (ncu: 4.8% of the 32-row product's stall samples at that
+// barrier; no slice at all, debug variant 54, bounds it at ~3 us of ~71 at 32 rows of
+// 8192x28672), and a thread can only sum and rearrange what it loads itself.
+// Before it (session 47; every form in session 48's first A/B): each thread loaded its 16-byte
+// chunks into registers, stored them in the form's layout and summed its rows, one barrier after
+// (against the three passes before that, copy, row sums, rearrangement, each behind a barrier, 57
+// of 68 pairs faster on an H100, the two-tile wgmma form by 6-8%). The parts against it (H100,
+// session 48, bench/session48.sh parts, two passes in one call, K = 4 MUL1 at five shapes and K = 2
+// 3INST): at 17..32 rows faster in 30 of 34 pairs, by 1.6% on average (-5.3% to +1.6%; 32 rows of
+// 8192x28672 -1.1% and +1.6%); at 9..16 rows (the synchronous two-group form) slower by 0.7% on
+// average (-3.9% to +5.2%, slowest at 9 and 12 rows of 28672x8192 and 4096x28672); decode at batch
+// 32 / 24 / 16 / 12 7,376 / 6,021 / 4,166 / 3,362 tok/s against 7,409 / 6,021 / 4,149 / 3,377.
+// That the 32-row product gained less than variant 54 bounds suggests the wave's slice traffic
+// itself (every block reads its 64 KB from L2 at the start, beside the trellis stream) rather
+// than the wait for it; untested.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384;
@@ -110,9 +122,12 @@ struct SaShape {
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
     static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
     static constexpr int RING_WORDS = kGvWarps * NS * SW;
-    // the slice's row sums (MUL1, raw decode): SUM_SLOTS partials a row, 128 in all
-    static constexpr int SUM_SLOTS = kGvWarps * 32 / (BROW / 4);
-    static constexpr int SUM_WORDS = NG * 8 * SUM_SLOTS;
+    // the slice's parts, each on an mbarrier of its own (whole 128-input chunks: 8 k rows or a
+    // power-of-two multiple)
+    static constexpr int PARTS = 8;
+    // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
+    // the row sums' one
+    static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -126,7 +141,7 @@ struct SaGrid {
 
 template <int K, int CB, int NG, int CFG>
 __global__ void __launch_bounds__(kGvWarps * 32, 2)
-exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict__ trellis,
+exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ csum, const uint32_t* __restrict__ trellis,
                     float* __restrict__ z, int m, int in, int out, half* __restrict__ y, int ldy,
                     const half* __restrict__ svh, const half* __restrict__ bias, int* __restrict__ counters,
                     int early_trigger, int finish_rows, const __grid_constant__ SaGrid grid) {
@@ -135,7 +150,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // MUL1 decodes to 1024 + t (decode_pair_mul1_raw) without the affine step per weight pair (4
     // HFMA2 per tile): the flush applies k_inv to each sum, and the warp holding a column group's
     // first k row of the slice adds k_bias times the slice's row sums of x (computed once per block
-    // from its copy), as the one-group per-warp kernel does with its MMA row sums. On an H100
+    // from the prep's chunk sums), as the one-group per-warp kernel does with its MMA row sums. On an H100
     // (session 27): 8192x28672 and 28672x8192 at 17 and 32 rows 6% faster, 14336x4096 2-4%,
     // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
     constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
@@ -164,10 +179,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
     const int nb = grid.seg_blocks[seg];
     const int slice = bx / nb, bi = bx - slice * nb;
-    // k rows [r0, r0 + nr) in units of KR rows: unit row ur covers k rows r0 + KR ur ..
-    const int tku = tk / KR;
-    const int r0 = KR * (int)((long)tku * slice / grid.nsl);
-    const int nr = KR * (int)((long)tku * (slice + 1) / grid.nsl) - r0;
+    // k rows [r0, r0 + nr), whole 128-input chunks (the prep's sums are a chunk's), in units of KR
+    // rows: unit row ur covers k rows r0 + KR ur ..
+    const int r0 = 8 * (int)((long)(tk / 8) * slice / grid.nsl);
+    const int nr = 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0;
     const int nru = nr / KR;
     const int g_first = grid.seg_grp[seg];
     const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
@@ -177,9 +192,50 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
-    // RAW: the slice's rows' partial sums, [NG * 8][SUM_SLOTS]
-    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);
+    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
+    const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
+    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ks * BROW + S::RING_WORDS + 32));
+
+    // The slice in parts of 8 << part_shift k rows (at most PARTS), each copied in bulk by thread 0
+    // and counted on its mbarrier; the row sums on one more (kSumsBar), which every thread
+    // arrives at once it has stored its share, after its first unit: a flush of the slice's first k
+    // row (grp_row0) waits for it. Below sm_90 (no bulk copies) the whole block copies the slice,
+    // sums the rows and waits for all of it.
+    constexpr bool kSlice = !(CFG & kSaNoSlice);
+    constexpr bool kParts = kSlice && kBulkCopies;
+    int part_shift = 3;
+    while ((nr + (1 << part_shift) - 1) >> part_shift > S::PARTS) ++part_shift;
+    const int n_parts = (nr + (1 << part_shift) - 1) >> part_shift;
+    uint32_t waited = kParts ? 0u : ~0u;  // parts (and the row sums) this warp has waited for
+    auto wait_bar = [&](int j) {
+        if (!(waited >> j & 1u)) {
+            mbar_wait(bars + 8 * j, 0);
+            waited |= 1u << j;
+        }
+    };
+    auto wait_part = [&](int row) { wait_bar(row >> part_shift); };  // the part holding k row `row` of the slice
+    constexpr int kSumsBar = S::PARTS;
+    if constexpr (kParts) {
+        if (threadIdx.x == 0) {
+            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, 1);
+            if (RAW) mbar_init(bars + 8 * kSumsBar, kGvWarps * 32);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
+    // RAW: this thread's share of the slice's row sums, the prep's sum of one chunk of one row
+    // ([segment, row, in / 128]): a row's nr / 8 chunks over kPerRow adjacent threads.
+    constexpr int kPerRow = kGvWarps * 32 / (NG * 8);
+    float sum_share = 0.f;
+    auto publish_row_sums = [&]() {
+        if constexpr (RAW && kSlice) {
+#pragma unroll
+            for (int o = kPerRow / 2; o > 0; o >>= 1) sum_share += __shfl_xor_sync(0xffffffffu, sum_share, o);
+            if (threadIdx.x % kPerRow == 0) row_sums[threadIdx.x / kPerRow] = sum_share;
+            if constexpr (kParts) mbar_arrive(bars + 8 * kSumsBar);
+        }
+    };
 
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
     constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
@@ -210,55 +266,46 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     };
 
     // Prologue: the trellis (a weight) first, then, once the prep before this kernel is done,
-    // the slice's activations by the whole block; every warp waits for all of it.
+    // the slice's activations (prep_frag wrote them in this form's layout) and row sums.
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) issue(s);
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
-    if constexpr (!(CFG & kSaNoSlice)) {
-        // Chunk p of each k row (16 bytes: words 4 p .. 4 p + 3, all of one row of x); the thread
-        // takes every SUM_SLOTS-th k row from its own, 8 loads in flight before their stores.
-        constexpr int kRowChunks = BROW / 4, kStride = S::SUM_SLOTS, kBatch = 8;
-        const uint4* src = reinterpret_cast<const uint4*>(xb + (size_t)seg * tk * BROW + (size_t)r0 * BROW);
-        const int p = threadIdx.x % kRowChunks, q = p & 15;
-        const int base = acts + (p >> 4) * 64;  // the chunk's group of 8 rows within a k row
-        float t = 0.f;
-        for (int rb = threadIdx.x / kRowChunks; rb < nr; rb += kBatch * kStride) {
-            uint4 v[kBatch];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i)
-                if (rb + i * kStride < nr) v[i] = __ldcg(src + (size_t)(rb + i * kStride) * kRowChunks + p);
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-                const int r = rb + i * kStride;
-                if (r >= nr) break;
-                if constexpr (RAW) {
-                    const float2 a = __half22float2(as_h2(v[i].x)), b = __half22float2(as_h2(v[i].y));
-                    const float2 c = __half22float2(as_h2(v[i].z)), d = __half22float2(as_h2(v[i].w));
-                    t += ((a.x + a.y) + (b.x + b.y)) + ((c.x + c.y) + (d.x + d.y));
-                }
-                uint32_t* row = sa_smem + base + r * BROW;
-                // wgmma's K-major B layout: word w of prep_frag's order holds k pair (w % 8) / 2 * 2 +
-                // 8 (w % 2) of row (w % 64) / 8, so words 2 l and 2 l + 1 of a group of 8 rows go to
-                // l and 32 + l: the core matrices of k 0..7 and 8..15, each 8 rows of 16 bytes
-                // (descriptor: 128 bytes between the two along k, 256 between groups of rows).
-                if constexpr (WG) {
-                    *reinterpret_cast<uint2*>(row + 2 * q) = make_uint2(v[i].x, v[i].z);
-                    *reinterpret_cast<uint2*>(row + 32 + 2 * q) = make_uint2(v[i].y, v[i].w);
-                } else {
-                    *reinterpret_cast<uint4*>(row + 4 * q) = v[i];
+    if constexpr (kSlice) {
+        const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
+        if constexpr (kParts) {
+            if (threadIdx.x == 0) {
+                for (int j = 0; j < n_parts; ++j) {
+                    const int row = j << part_shift, rows = min(1 << part_shift, nr - row);
+                    const uint32_t bytes = (uint32_t)(rows * BROW * 4);
+                    mbar_arrive_expect(bars + 8 * j, bytes);
+                    bulk_load(acts_sa + (uint32_t)(row * BROW * 4), src + (size_t)row * BROW, bytes, bars + 8 * j);
                 }
             }
+        } else {
+            for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(acts_sa + c * 16, src + c * 4);
+            cp_async_commit();
         }
-        if constexpr (RAW) {  // chunks p and p ^ 1 hold the same row: its partial, one slot a thread pair
-            t += __shfl_xor_sync(0xffffffffu, t, 1);
-            const int xrow = (p >> 4) * 8 + (q >> 1);
-            if ((p & 1) == 0) row_sums[xrow * kStride + threadIdx.x / kRowChunks] = t;
+        if constexpr (RAW) {  // (loaded now, summed and stored after the first unit)
+            const int row = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
+            if (row < m && c < nr / 8) sum_share = __ldcg(csum + ((size_t)seg * m + row) * (in >> 7) + r0 / 8 + c);
         }
-        if constexpr (WG) wg_fence_smem_writes();
-        __syncthreads();
+        if constexpr (!kParts) {
+            publish_row_sums();
+            cp_async_wait<0>();
+            __syncthreads();
+        }
     }
-    if (n_units <= 0) return;
+    // Thread 0 waits for every part before it leaves: a block must not end under its copies.
+    auto wait_all_parts = [&]() {
+        if (kParts && threadIdx.x == 0)
+            for (int j = 0; j < n_parts; ++j) wait_bar(j);
+    };
+    if (n_units <= 0) {
+        if constexpr (kParts) publish_row_sums();
+        wait_all_parts();
+        return;
+    }
 
     int wa, wb, wc, shift;
     lane_words<K>(lane, wa, wb, wc, shift);
@@ -278,7 +325,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     // overwrite them. Zeroing them instead is an ordinary write, which ptxas orders after every
     // wgmma in flight (a wait it injects, even where the write is predicated off).
     int wg_scale = 1;
-    const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
     auto zero_acc = [&]() {
 #pragma unroll
         for (int gr = 0; gr < NG; ++gr)
@@ -319,6 +365,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                     av[ct][2] = v[1];
                     av[ct][3] = v[3];
                 }
+                if (kr == 0) wait_part(c_row - r0);  // (a unit's k rows are in one part)
                 const uint64_t desc = wg_smem_desc(acts_sa + (uint32_t)((c_row + kr - r0) * BROW * 4), 128, 256);
                 wg_fence();
 #pragma unroll
@@ -329,6 +376,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
             }
             wg_scale = 1;
         } else {
+            wait_part(c_row - r0);
 #pragma unroll
             for (int kr = 0; kr < KR; ++kr) {
                 const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
@@ -347,6 +395,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 }
             }
         }
+        if (kParts && s == 0) publish_row_sums();  // (before a flush that may wait for them)
         seg_units += KR;
         const bool last = s + 1 == n_units;
         if ((c_row += KR) == r0 + nr || last) {
@@ -366,17 +415,13 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
                 if constexpr (RAW) {
                     // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
                     float sacc[NG][4];
+                    if (grp_row0) wait_bar(kSumsBar);
 #pragma unroll
                     for (int gr = 0; gr < NG; ++gr) {
                         const int row = gr * 8 + 2 * (lane & 3);
-                        sacc[gr][0] = sacc[gr][1] = sacc[gr][2] = sacc[gr][3] = 0.f;
-                        if (grp_row0) {  // the rows' partials
-#pragma unroll
-                            for (int j = 0; j < S::SUM_SLOTS; ++j) {
-                                sacc[gr][0] += row_sums[row * S::SUM_SLOTS + j];
-                                sacc[gr][1] += row_sums[(row + 1) * S::SUM_SLOTS + j];
-                            }
-                        }
+                        sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
+                        sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                        sacc[gr][2] = sacc[gr][3] = 0.f;
                     }
                     gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
                 } else {
@@ -396,6 +441,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
     if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     if constexpr (WG) wg_wait<0>();  // (the last unit's flush waited already; ptxas cannot tell)
     cp_async_wait<0>();
+    wait_all_parts();
 }
 
 // The blocks per SM the block-shared kernel's grid is sized for (sa_grid) and its slices fit
@@ -403,6 +449,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const uint32_t* __restrict_
 constexpr int kSaBlocksPerSm = 2;
 
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
+// multiple of 8: slices are whole 128-input chunks, since the row sums come a chunk at a time; a
 // block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
 // With the compact setting kGvCompactTwoBlocks, what fits in half an SM, since the grid is sized
 // for two blocks per SM (an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90 KS fits).
@@ -413,8 +460,8 @@ int sa_slice_rows(int tk) {
     const int sm_share = lim.per_sm / kSaBlocksPerSm - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
     const int budget = two ? sm_share : lim.per_block;
-    const int fit = (budget / 4 - S::RING_WORDS - S::SUM_WORDS) / S::BROW;
-    const int ks = fit < S::KS ? fit : S::KS;
+    const int fit = (budget / 4 - S::RING_WORDS - S::EXTRA_WORDS) / S::BROW;
+    const int ks = (fit < S::KS ? fit : S::KS) & ~7;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
 }
 
@@ -432,16 +479,16 @@ template <int K, int NG, int CFG = 0>
 SaGrid sa_grid(const MmArgs& a) {
     using S = SaShape<K, NG, CFG>;
     SaGrid gd;
-    const int tk = a.in / 16, tku = tk / S::KR;
+    const int tk = a.in / 16, tc = tk / 8;  // k rows, 128-input chunks
     const int groups = a.out / 16 / S::CT;
     const long target = (long)kSaBlocksPerSm * (a.num_sms > 0 ? a.num_sms : 132);
-    const int ksu_fit = sa_slice_rows<K, NG, CFG>(tk) / S::KR;
+    const int kc_fit = sa_slice_rows<K, NG, CFG>(tk) / 8;
     const bool old_rule = gemv_sa_grid() == 0;
     long nsl = (target * (old_rule ? 8 : 2) + groups - 1) / groups;
-    if (nsl > tk / 8) nsl = tk / 8;
-    if (nsl < (tku + ksu_fit - 1) / ksu_fit) nsl = (tku + ksu_fit - 1) / ksu_fit;
+    if (nsl > tc) nsl = tc;
+    if (nsl < (tc + kc_fit - 1) / kc_fit) nsl = (tc + kc_fit - 1) / kc_fit;
     gd.nsl = (int)nsl;
-    gd.ks = S::KR * (int)((tku + nsl - 1) / nsl);  // slice s: units [tku s / nsl, tku (s + 1) / nsl)
+    gd.ks = 8 * (int)((tc + nsl - 1) / nsl);  // slice s: chunks [tc s / nsl, tc (s + 1) / nsl)
     const int cols[5] = {0, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], 0x7fffffff};
     gd.nseg = 0;
     for (int s = 0; s < 4 && cols[s] < a.out; ++s) {
@@ -514,24 +561,31 @@ bool sa_applies(const MmArgs& a, int variant) {
     return segments_start_on(a, 128);
 }
 
+// A debug build's unsplit products (gemv_split_finish 0) take the block-shared kernel's form with
+// the warps' output stage (kSaInFinish).
+inline bool sa_unsplit(const MmArgs& a) { return kDebugVariants && a.y && gemv_split_finish() < 1; }
+
 template <int K, int CB, int NG, int CFG = 0>
 cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     using S = SaShape<K, NG, CFG>;
     if (sa_slice_rows<K, NG, CFG>(a.in / 16) < S::KR) return cudaErrorInvalidValue;
+    // The prep wrote the activations in this form's layout, and MUL1's chunk sums (gemv_f16_acts)
+    constexpr bool kRaw = CB == CB_MUL1 && !(CFG & kSaAffine);
+    if (a.acts_wgmma != ((CFG & kSaWgmma) != 0) || (kRaw && !a.csum)) return cudaErrorInvalidValue;
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::SUM_WORDS) * 4, kSaBlocksPerSm);
+    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS) * 4, kSaBlocksPerSm);
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.
     constexpr bool kInFinish = (CFG & kSaInFinish) != 0;
-    if constexpr (!kInFinish && kDebugVariants) {  // (the wgmma form has no in-finish twin: the plain one serves)
-        if (a.y && gemv_split_finish() < 1) return launch_gemv_sa<K, CB, NG, (CFG & ~kSaWgmma) | kSaInFinish>(a, stream);
+    if constexpr (!kInFinish && kDebugVariants && !(CFG & kSaWgmma)) {  // (sa_form: no wgmma form unsplit)
+        if (sa_unsplit(a)) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
     }
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
-                                          smem, stream, a.pdl, a.xb, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
+                                          smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
@@ -561,6 +615,29 @@ bool sa_wgmma(const MmArgs& a, int ct) {
     return a.out % span == 0 && segments_start_on(a, span);
 }
 
+// Which block-shared form serves the fp16-path product `a` under a debug variant (0: shipped):
+// the dispatch (launch_gemv_f16) and what it asks of the prep (gemv_f16_acts: the wgmma forms read
+// their activations in wgmma's layout) both come from here. The wgmma form serves the shipped
+// four-group products where sa_wgmma says, and K = 4 MUL1's wgmma debug forms (variants 48-50, 53,
+// 54) at four tiles; never unsplit (a debug setting whose warps' output stage it lacks).
+struct SaForm {
+    bool shared = false, two_tiles = false, wgmma = false;
+};
+constexpr bool sa_wgmma_variant(int variant) {
+    return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
+           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
+}
+template <int K, int NG>
+SaForm sa_form(const MmArgs& a, int variant) {
+    SaForm f;
+    f.shared = sa_applies<K, NG>(a, variant);
+    if (!f.shared || NG != 4) return f;
+    f.two_tiles = variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a));
+    const bool form = variant == 0 || (kDebugVariants && K == 4 && a.codebook == CB_MUL1 && sa_wgmma_variant(variant));
+    f.wgmma = form && !sa_unsplit(a) && sa_wgmma<K>(a, f.two_tiles ? 2 : 4);
+    return f;
+}
+
 // The shipped decode bits of a block-shared form: K = 4 MUL1 masks the states' A once (kSaA12)
 // where that measured faster, the wgmma form at four tiles a unit (session 45, debug variant 49
 // against 53) and the synchronous form at two row groups (session 48, H100: 9 / 12 / 16 rows of
@@ -573,12 +650,11 @@ constexpr int sa_decode_cfg() {
 
 // A debug form of the block-shared kernel (DECODE: kSaTcSum, kSaA12 or kSaProducts, debug variants
 // 48-50; 0, variant 53: the wgmma form without A12, shipped until session 45; kSaA12 | kSaNoSlice,
-// the probe variant 54): in the wgmma form where that applies (sa_wgmma, four tiles a unit), else
-// the synchronous.
+// the probe variant 54): in the wgmma form where sa_form says, else the synchronous.
 template <int K, int CB, int NG, int DECODE>
-cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
+cudaError_t launch_gemv_sa_decode(const MmArgs& a, bool wgmma, cudaStream_t stream) {
     if constexpr (NG == 4) {
-        if (sa_wgmma<K>(a, 4)) return launch_gemv_sa<K, CB, NG, kSaWgmma | DECODE>(a, stream);
+        if (wgmma) return launch_gemv_sa<K, CB, NG, kSaWgmma | DECODE>(a, stream);
     }
     return launch_gemv_sa<K, CB, NG, DECODE>(a, stream);
 }
@@ -587,15 +663,15 @@ cudaError_t launch_gemv_sa_decode(const MmArgs& a, cudaStream_t stream) {
 template <int K, int CB, int NG>
 cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
-    if (sa_applies<K, NG>(a, variant)) {
+    const SaForm f = sa_form<K, NG>(a, variant);
+    if (f.shared) {
         if constexpr (NG == 4) {
-            const bool two = variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a));
             if constexpr (K <= 4) {
-                if (variant == 0 && sa_wgmma<K>(a, two ? 2 : 4))
-                    return two ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma>(a, stream)
-                               : launch_gemv_sa<K, CB, NG, kSaWgmma | sa_decode_cfg<K, CB, NG, true>()>(a, stream);
+                if (variant == 0 && f.wgmma)
+                    return f.two_tiles ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma>(a, stream)
+                                       : launch_gemv_sa<K, CB, NG, kSaWgmma | sa_decode_cfg<K, CB, NG, true>()>(a, stream);
             }
-            if (two) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
+            if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
@@ -608,11 +684,12 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == 40) return launch_gemv_sa<K, CB, NG, kSaTcSum>(a, stream);
             if (variant == kSaVarSkipEmpty) return launch_gemv_sa<K, CB, NG, kSaSkipEmpty>(a, stream);
             if (variant == kSaVarInFinish) return launch_gemv_sa<K, CB, NG, kSaInFinish>(a, stream);
-            if (variant == kSaVarWgmmaTcSum) return launch_gemv_sa_decode<K, CB, NG, kSaTcSum>(a, stream);
-            if (variant == kSaVarWgmmaA12) return launch_gemv_sa_decode<K, CB, NG, kSaA12>(a, stream);
-            if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, stream);
-            if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, stream);
-            if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, stream);
+            const bool wg = f.wgmma;
+            if (variant == kSaVarWgmmaTcSum) return launch_gemv_sa_decode<K, CB, NG, kSaTcSum>(a, wg, stream);
+            if (variant == kSaVarWgmmaA12) return launch_gemv_sa_decode<K, CB, NG, kSaA12>(a, wg, stream);
+            if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, wg, stream);
+            if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, wg, stream);
+            if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, wg, stream);
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }

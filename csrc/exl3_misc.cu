@@ -111,10 +111,12 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //        group r / 4.
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
 // PRE: x is normed on its own before the residual add and the norm (pre, PrepNorm::pre).
+// F16 with wg (ng = 4): a group's word w = 2 lane + kk / 8 goes to lane + 32 (kk / 8) instead, wgmma's
+// K-major core matrices (exl3_gemv_sa.cuh); with csum, each chunk's sum of xh too.
 template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
-                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre) {
+                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre, bool wg) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
@@ -122,10 +124,8 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
         const int seg = blockIdx.y;
         suh += (size_t)seg * in;
         xb += (size_t)seg * (in >> 4) * ng * 32 * (scales ? 4 : 2);
-        if (scales) {
-            scales += (size_t)seg * rows * nch;
-            csum += (size_t)seg * rows * nch;
-        }
+        if (scales) scales += (size_t)seg * rows * nch;
+        if (csum) csum += (size_t)seg * rows * nch;
     }
     const int task = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool active = task < rows * nch;  // idle warps still join the block's row statistics
@@ -151,12 +151,16 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int i = k >> 4;
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
-        const size_t fb = ((size_t)i * ng + (r >> 3)) * 32;
+        const size_t fb = ((size_t)i * ng + (r >> 3)) * 64;
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             const int kk = kk0 + 2 * p;
             const int fl = (r & 7) * 4 + ((kk & 7) >> 1);
-            xb[(fb + fl) * 2 + (kk >> 3)] = as_u32(p ? o1 : o0);
+            xb[fb + (wg ? fl + 32 * (kk >> 3) : 2 * fl + (kk >> 3))] = as_u32(p ? o1 : o0);
+        }
+        if (csum) {
+            const float t = warp_sum((__low2float(o0) + __high2float(o0)) + (__low2float(o1) + __high2float(o1)));
+            if (lane == 0) csum[(size_t)r * nch + c] = t;
         }
         return;
     }
@@ -167,8 +171,9 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
                       const half* up, int ldu, int act, const PrepNorm& norm, const OpenSums& xo,
-                      const OpenSums& uo) {
+                      const OpenSums& uo, bool wgmma_layout) {
     if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
+    if (wgmma_layout && (scales || ng != 4)) return cudaErrorInvalidValue;
     const bool gated = up || uo.z;
     if (norm.w && (gated || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
     if ((xo.z && !xo.svh) || (uo.z && (!uo.svh || !xo.z))) return cudaErrorInvalidValue;
@@ -178,7 +183,8 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
     const dim3 grid((unsigned)((tasks + 7) / 8), (unsigned)nseg);
     const PrepInput pin = prep_input(x, xo.z ? in : ldx, up, ldu, act, norm, xo, uo);
     auto* kernel = norm.pre.w ? prep_frag_kernel<false, true> : xo.z ? prep_frag_kernel<true> : prep_frag_kernel<false>;
-    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng, norm.pre);
+    return launch_glue(kernel, grid, dim3(256), stream, pin, suh, xb, scales, csum, rows, in, ng, norm.pre,
+                       wgmma_layout);
 }
 
 void set_mm_debug_variant(int variant) { mm_debug_variant() = variant; }
@@ -290,6 +296,17 @@ bool gemv_chain_fits(const MmArgs& a) {
     const long most = gv_most_units(a, pick.cfg, kr);
     const long rows_kr = a.in / 16 / kr;
     return (most - 1) / rows_kr + 2 <= 4 && a.out / 128 <= 0xffff;
+}
+
+int gemv_f16_acts(const MmArgs& a) {
+    if (a.version != 3 || a.m < 1 || a.m > kMaxFusedRows || a.in % 128 || a.out % 128) return 0;
+    const int v = mm_debug_variant();
+    const SaForm f = with_k(a.K, SaForm{}, [&](auto k) {
+        constexpr int kK = decltype(k)::value;
+        const int ng = gemv_groups(a.m, false);
+        return ng == 4 ? sa_form<kK, 4>(a, v) : ng == 2 ? sa_form<kK, 2>(a, v) : sa_form<kK, 1>(a, v);
+    });
+    return (f.shared && a.codebook == CB_MUL1 ? kActsChunkSums : 0) | (f.wgmma ? kActsWgmma : 0);
 }
 
 bool gemv_self_prep(const MmArgs& a) {

@@ -93,15 +93,16 @@ def test_wgmma_form_with_other_decodes(variant, decode):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (14336, 4096)])
-def test_slice_in_one_pass_keeps_mul1_row_sums(n_in, n_out):
-    """Every block-shared form takes its activation slice in one pass (session 48), summing each
-    row's values in per-thread partials that the first k row's flush adds up: MUL1's constant
-    term. One large column makes a missing, doubled or misplaced row sum show. The shipped forms at
-    one, two and four row groups (5, 12, 17, 24 and 32 rows: synchronous, synchronous with A12,
-    wgmma at four and two tiles a unit on Hopper), with rows past m in the last group and several k
-    slices of uneven length (14,336 inputs): the reference's product, and the per-warp kernel's (no
-    slice) up to fp32 summation order."""
+@pytest.mark.parametrize("n_in,n_out", [(2048, 1536), (14336, 4096), (128, 2048)])
+def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
+    """Every block-shared form copies its activation slice in parts, each on an mbarrier that a
+    warp waits for only when its k rows need it, in the layout the prep wrote for that form
+    (wgmma's on Hopper for the wgmma forms), and takes MUL1's constant term from the prep's chunk
+    sums (session 48). One large column makes a missing, doubled or misplaced row sum show. The
+    shipped forms at one, two and four row groups (5, 12, 17, 24 and 32 rows: synchronous,
+    synchronous with A12, wgmma at four and two tiles a unit on Hopper), with rows past m in the
+    last group, several k slices of uneven length (14,336 inputs) and one chunk of 128 inputs:
+    the reference's product, and the per-warp kernel's (no slice) up to fp32 summation order."""
     ext = ops.extension()
     t = rand_layer(n_in, n_out, 4, "mul1", seed=56, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
