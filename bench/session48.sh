@@ -14,7 +14,7 @@
 # .devcarry/base48: `git archive a2717d6 csrc engine bench | tar -x -C .devcarry/base48`), after
 # the debug build and the whole GPU suite; ran twice on H100s (the parts' first form, row sums
 # before the main loop, and the one that ships). `final`: no tests or decode, three passes of the
-# K = 4 products at three shapes.
+# K = 4 products at three shapes (ran on an H100 at b3afec7).
 # Its first call (H100, at 5febec8 plus the script) ran the whole suite and, at 9 / 12 / 16 rows of
 # 8192x28672 and 4096x14336, the shipped product against debug variants 39 (A12) and 56 (A12 and
 # the one-pass slice; gone since, every form's now). The second (H100, at 80300a1) ran the A/B

@@ -31,6 +31,8 @@ constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows 
 constexpr int kSaVarWgmmaNoA12 = 53;     // debug: its wgmma form without A12 (shipped until session 45)
 constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12 form without the activation slice (kSaNoSlice)
 // 55 and 56 (session 47): the slice copied without passes over it (a probe), and in one pass (every form, session 48, before its parts)
+constexpr int kSaVarCpSlice = 57;        // debug: its synchronous forms' slice parts by every thread's cp.async (kSaCpSlice; unrun)
+constexpr int kSaVarPartsFirst = 58;     // debug: its slice parts the teams start in copied first (kSaPartsFirst; unrun)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -97,18 +97,29 @@ namespace trellis {
 // Before it (session 47; every form in session 48's first A/B): each thread loaded its 16-byte
 // chunks into registers, stored them in the form's layout and summed its rows, one barrier after
 // (against the three passes before that, copy, row sums, rearrangement, each behind a barrier, 57
-// of 68 pairs faster on an H100, the two-tile wgmma form by 6-8%). The parts against it (H100,
-// session 48, bench/session48.sh parts, two passes in one call, K = 4 MUL1 at five shapes and K = 2
-// 3INST): at 17..32 rows faster in 30 of 34 pairs, by 1.6% on average (-5.3% to +1.6%; 32 rows of
-// 8192x28672 -1.1% and +1.6%); at 9..16 rows (the synchronous two-group form) slower by 0.7% on
-// average (-3.9% to +5.2%, slowest at 9 and 12 rows of 28672x8192 and 4096x28672); decode at batch
-// 32 / 24 / 16 / 12 7,376 / 6,021 / 4,166 / 3,362 tok/s against 7,409 / 6,021 / 4,149 / 3,377.
-// That the 32-row product gained less than variant 54 bounds suggests the wave's slice traffic
-// itself (every block reads its 64 KB from L2 at the start, beside the trellis stream) rather
-// than the wait for it; untested.
+// of 68 pairs faster on an H100, the two-tile wgmma form by 6-8%). The parts against it (H100s,
+// bench/session48.sh, both builds in one call): `parts` (two passes, K = 4 MUL1 at five shapes and
+// K = 2 3INST) at 17..32 rows faster in 30 of 34 pairs, by 1.6% on average (-5.3% to +1.6%), at
+// 9..16 rows (the synchronous two-group form) slower by 0.7% on average (-3.9% to +5.2%); decode
+// at batch 32 / 24 / 16 / 12 7,376 / 6,021 / 4,166 / 3,362 tok/s against 7,409 / 6,021 / 4,149 /
+// 3,377; `final` (three passes, 8192x28672, 4096x28672, 28672x8192) at 17..32 rows faster in 20 of
+// 27 (by 1.1% on average; 32 rows of 8192x28672 +1.4%, +0.5%, -3.2%), at 9..16 rows slower in 26 of
+// 27 (by 2.0% on average, up to 7.0% at 12 rows of 28672x8192). Shipped everywhere regardless, one
+// mechanism: the two-group form's loss is below what it gains on the per-warp kernel (session 39:
+// 6-20%), and two debug forms below test why. That the 32-row product gained less than variant 54
+// bounds suggests the wave's slice traffic itself (every block reads its 64 KB from L2 at the
+// start, beside the trellis stream) rather than the wait for it; untested.
+// Two debug forms of the slice in parts, written in session 48 after its device time was spent
+// (unrun): CFG 32768 (kSaCpSlice, debug variant 57; the synchronous forms only) fills each part by
+// every thread's cp.async, the part's mbarrier counting each thread's arrival once its copies land,
+// instead of thread 0's bulk copies; CFG 65536 (kSaPartsFirst, debug variant 58, with the shipped
+// decode bits: A12 at two groups and in the four-tile wgmma form) copies first the parts the
+// block's teams start in. Why: the synchronous two-group form's 8 teams start all over the slice,
+// the wgmma forms' 2 at its start and middle; if one thread's bulk copies fill a slice more slowly
+// than 256 threads' loads did, the teams that start in late parts wait longer than before.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384;
+              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -204,6 +215,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // sums the rows and waits for all of it.
     constexpr bool kSlice = !(CFG & kSaNoSlice);
     constexpr bool kParts = kSlice && kBulkCopies;
+    constexpr bool kCpFill = kParts && (CFG & kSaCpSlice) && !WG;  // (wgmma reads through the async proxy)
     int part_shift = 3;
     while ((nr + (1 << part_shift) - 1) >> part_shift > S::PARTS) ++part_shift;
     const int n_parts = (nr + (1 << part_shift) - 1) >> part_shift;
@@ -218,7 +230,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr int kSumsBar = S::PARTS;
     if constexpr (kParts) {
         if (threadIdx.x == 0) {
-            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, 1);
+            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, kCpFill ? kGvWarps * 32 : 1);
             if (RAW) mbar_init(bars + 8 * kSumsBar, kGvWarps * 32);
             mbar_init_fence();
         }
@@ -273,13 +285,32 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     pdl_wait_primary();
     if constexpr (kSlice) {
         const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
-        if constexpr (kParts) {
+        if constexpr (kCpFill) {  // (not a group of their own: they join the ring's next, which they never hold up)
+            for (int j = 0; j < n_parts; ++j) {
+                const int w0 = (j << part_shift) * BROW, w1 = min(nr, (j + 1) << part_shift) * BROW;
+                for (int w = w0 + 4 * (int)threadIdx.x; w < w1; w += 4 * kGvWarps * 32) gv_cp16(acts_sa + w * 4, src + w);
+                mbar_arrive_cp_async(bars + 8 * j);
+            }
+        } else if constexpr (kParts) {
             if (threadIdx.x == 0) {
-                for (int j = 0; j < n_parts; ++j) {
+                auto copy_part = [&](int j) {
                     const int row = j << part_shift, rows = min(1 << part_shift, nr - row);
                     const uint32_t bytes = (uint32_t)(rows * BROW * 4);
                     mbar_arrive_expect(bars + 8 * j, bytes);
                     bulk_load(acts_sa + (uint32_t)(row * BROW * 4), src + (size_t)row * BROW, bytes, bars + 8 * j);
+                };
+                if constexpr (CFG & kSaPartsFirst) {  // the parts the teams start in, then the others
+                    uint32_t first = 0;
+                    for (int t = 0; t < kTeams; ++t) {
+                        const long t0 = b0 + (b1 - b0) * t / kTeams, t1 = b0 + (b1 - b0) * (t + 1) / kTeams;
+                        if (t1 > t0) first |= 1u << ((KR * (int)(t0 % nru)) >> part_shift);
+                    }
+                    for (int j = 0; j < n_parts; ++j)
+                        if (first >> j & 1u) copy_part(j);
+                    for (int j = 0; j < n_parts; ++j)
+                        if (!(first >> j & 1u)) copy_part(j);
+                } else {
+                    for (int j = 0; j < n_parts; ++j) copy_part(j);
                 }
             }
         } else {
@@ -538,13 +569,14 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50, 53, 54, 57 and 58 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
+           variant == kSaVarCpSlice || variant == kSaVarPartsFirst;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -625,7 +657,7 @@ struct SaForm {
 };
 constexpr bool sa_wgmma_variant(int variant) {
     return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
-           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
+           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice || variant == kSaVarPartsFirst;
 }
 template <int K, int NG>
 SaForm sa_form(const MmArgs& a, int variant) {
@@ -690,6 +722,9 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, wg, stream);
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, wg, stream);
             if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, wg, stream);
+            constexpr int kSync = sa_decode_cfg<K, CB, NG, false>(), kFour = sa_decode_cfg<K, CB, NG, NG == 4>();
+            if (variant == kSaVarCpSlice) return launch_gemv_sa<K, CB, NG, kSync | kSaCpSlice>(a, stream);
+            if (variant == kSaVarPartsFirst) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaPartsFirst>(a, wg, stream);
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }

@@ -58,6 +58,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 #endif
 }
+// One arrival once every cp.async this thread issued before it has landed (counted among the
+// barrier's arrivals: .noinc).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+#endif
+}
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,
 // counted on the mbarrier at bar.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
