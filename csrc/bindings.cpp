@@ -319,12 +319,14 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         return y;
     }
     torch::Tensor xh, xb, sq, scales, csum;
-    if (use_i8) scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
-    if (use_i8 || (a.version == 3 && codebook == kCodebookMul1))  // (fp16 path: gemv_f16_acts)
-        csum = torch::empty({nseg, chunk, in / 128}, x.options().dtype(torch::kFloat));
+    auto chunk_sums = [&]() {  // [segment, row, in / 128]: the integer path's, or the fp16 path's where asked
+        if (!csum.defined()) csum = torch::empty({nseg, chunk, in / 128}, x.options().dtype(torch::kFloat));
+        return csum.data_ptr<float>();
+    };
     if (use_i8) {
+        scales = torch::empty({nseg, chunk, in / 128, 2}, x.options().dtype(torch::kFloat));
         a.scales = reinterpret_cast<const float2*>(scales.data_ptr());
-        a.csum = csum.data_ptr<float>();
+        a.csum = chunk_sums();
     }
     if (a.version == 3) {
         // Fragment-ordered activations: I8 4 words per lane per group, F16 2 words.
@@ -346,12 +348,12 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         a.m = rows;
         const half* xr = open_in ? nullptr : hptr(x) + r0 * x.stride(0);
         float2* sc = use_i8 ? reinterpret_cast<float2*>(scales.data_ptr()) : nullptr;
-        float* cs = use_i8 ? csum.data_ptr<float>() : nullptr;
+        float* cs = use_i8 ? chunk_sums() : nullptr;
         if (fused_out) a.y = hptr_mut(y) + r0 * out;
         if (a.version == 3 && !use_i8) {  // the fp16 path: what its product's form wants from the prep
             const int acts = trellis::gemv_f16_acts(a);
             a.acts_wgmma = acts & trellis::kActsWgmma;
-            if (acts & trellis::kActsChunkSums) cs = csum.data_ptr<float>();
+            if (acts & trellis::kActsChunkSums) cs = chunk_sums();
             a.csum = cs;
         }
         if (a.version == 3) {
