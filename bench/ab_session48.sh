@@ -14,6 +14,10 @@
 #    9..16 rows (26 of 27 pairs, H100, bench/session48.sh final) and 1.1% faster at 17..32; 57 asks
 #    whether the bulk copies' fill rate is what the synchronous form's 8 teams wait for, 58 whether
 #    their order is.
+# 4. Debug variants 54 (no slice) and 59 (half the slice's parts copied; both probes with wrong
+#    results) against the shipped product at 17, 24 and 32 rows of 8192x28672 and 4096x28672, two
+#    passes. Why: the parts gained less at 32 rows than 54 bounds; if 59 lands about halfway to 54,
+#    the slice's bytes are what is left, and a slice shared by a cluster's blocks would pay.
 # (No whole-model decode: a debug variant forces the block-shared kernel on every layer, the small
 # ones included, which the shipped rule leaves to the per-warp kernel at 9..16 rows.)
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
@@ -27,5 +31,11 @@ for pass in 1 2 3; do
   timeout 90 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
     --shapes 8192x28672 4096x28672 28672x8192 --m 9 12 16 17 24 32 --variants 57 58 2>&1 | python3 -c "$SUM" \
     | grep -v '^{' | tee -a $L
+done
+for pass in 1 2; do
+  [ $(left) -gt 30 ] || break
+  echo "== shipped / probes 54, 59, pass $pass $(el)s" | tee -a $L
+  timeout 60 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
+    --shapes 8192x28672 4096x28672 --m 17 24 32 --variants 54 59 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 done
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-560} left" | tee -a $L

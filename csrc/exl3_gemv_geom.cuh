@@ -33,6 +33,7 @@ constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12
 // 55 and 56 (session 47): the slice copied without passes over it (a probe), and in one pass (every form, session 48, before its parts)
 constexpr int kSaVarCpSlice = 57;        // debug: its synchronous forms' slice parts by every thread's cp.async (kSaCpSlice; unrun)
 constexpr int kSaVarPartsFirst = 58;     // debug: its slice parts the teams start in copied first (kSaPartsFirst; unrun)
+constexpr int kSaVarHalfSlice = 59;      // debug probe (wrong results): its slice's second half of parts not copied (kSaHalfSlice; unrun)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -117,9 +117,15 @@ namespace trellis {
 // block's teams start in. Why: the synchronous two-group form's 8 teams start all over the slice,
 // the wgmma forms' 2 at its start and middle; if one thread's bulk copies fill a slice more slowly
 // than 256 threads' loads did, the teams that start in late parts wait longer than before.
+// CFG 131072 (kSaHalfSlice, debug variant 59, the shipped decode bits; unrun): a timing probe with
+// wrong results: only the first half of the parts is copied, the others complete at once with
+// nothing in them. Why: at 32 rows the parts gained less than the no-slice probe (54) bounds; if
+// the slice's bytes (every block reading 64 KB from L2 at the wave's start) are what is left, half
+// of them should take about half of the gap to 54, and sharing a slice between the blocks of a
+// cluster (TMA multicast) would pay.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536;
+              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536, kSaHalfSlice = 131072;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -310,7 +316,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                     for (int j = 0; j < n_parts; ++j)
                         if (!(first >> j & 1u)) copy_part(j);
                 } else {
-                    for (int j = 0; j < n_parts; ++j) copy_part(j);
+                    for (int j = 0; j < n_parts; ++j) {
+                        if ((CFG & kSaHalfSlice) && 2 * j >= n_parts) mbar_arrive(bars + 8 * j);  // (probe: left empty)
+                        else copy_part(j);
+                    }
                 }
             }
         } else {
@@ -569,14 +578,14 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53, 54, 57 and 58 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50, 53, 54 and 57-59 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
-           variant == kSaVarCpSlice || variant == kSaVarPartsFirst;
+           variant == kSaVarCpSlice || variant == kSaVarPartsFirst || variant == kSaVarHalfSlice;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -657,7 +666,8 @@ struct SaForm {
 };
 constexpr bool sa_wgmma_variant(int variant) {
     return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
-           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice || variant == kSaVarPartsFirst;
+           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice || variant == kSaVarPartsFirst ||
+           variant == kSaVarHalfSlice;
 }
 template <int K, int NG>
 SaForm sa_form(const MmArgs& a, int variant) {
@@ -725,6 +735,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             constexpr int kSync = sa_decode_cfg<K, CB, NG, false>(), kFour = sa_decode_cfg<K, CB, NG, NG == 4>();
             if (variant == kSaVarCpSlice) return launch_gemv_sa<K, CB, NG, kSync | kSaCpSlice>(a, stream);
             if (variant == kSaVarPartsFirst) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaPartsFirst>(a, wg, stream);
+            if (variant == kSaVarHalfSlice) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaHalfSlice>(a, wg, stream);
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }
