@@ -112,7 +112,7 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
 // PRE: x is normed on its own before the residual add and the norm (pre, PrepNorm::pre).
 // F16 with wg (ng = 4): a group's word w = 2 lane + kk / 8 goes to lane + 32 (kk / 8) instead, wgmma's
-// K-major core matrices (exl3_gemv_sa.cuh); with csum, each chunk's sum of xh too.
+// K-major core matrices (exl3_gemv_sa_kernel.cuh); with csum, each chunk's sum of xh too.
 template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,

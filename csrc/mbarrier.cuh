@@ -1,8 +1,8 @@
 // Shared-memory mbarriers and the bulk copy (TMA, sm_90) that completes on one. The block-shared
 // product loads its activation slice in parts this way, so that each warp waits only for the part
-// its next k rows need (exl3_gemv_sa.cuh). Below sm_90 every function compiles to nothing and the
-// caller takes its cp.async form instead. An mbarrier here completes one phase in its life
-// (parity 0); the copy's bytes count against it like arrivals.
+// its next k rows need (exl3_gemv_sa_kernel.cuh). Below sm_90 every function compiles to nothing
+// and the caller takes its cp.async form instead. An mbarrier here completes one phase in its
+// life (parity 0); the copy's bytes count against it like arrivals.
 #pragma once
 #include <stdint.h>
 

@@ -60,7 +60,7 @@ def template_args(names, kernel: str) -> list[list[str]]:
     return [n.split(kernel + "<")[1].split(">")[0].split(", ") for n in names if kernel + "<" in n]
 
 
-# The block-shared kernel's CFG bits (csrc/exl3_gemv_sa.cuh: kSaA12, kSaTcSum, kSaTwoTiles,
+# The block-shared kernel's CFG bits (csrc/exl3_gemv_sa_kernel.cuh: kSaA12, kSaTcSum, kSaTwoTiles,
 # kSaInFinish, kSaWgmma, kSaProducts, kSaCpSlice, kSaPartsFirst).
 SA_A12, SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA, SA_PRODUCTS = 64, 128, 512, 2048, 4096, 8192
 SA_CP_SLICE, SA_PARTS_FIRST = 32768, 65536

@@ -1,0 +1,487 @@
+// EXL3 product for batches of up to 32 rows (fp16 path, any codebook) with the activations
+// shared by a block instead of copied into every warp's ring. By default it serves the row counts
+// and layer sizes where it measured faster (sa_applies); the version-3 kernel (exl3_gemv.cuh)
+// serves the rest. Its host side (grid, rules, forms, launches) is exl3_gemv_sa.cuh.
+//
+// Why: the version-3 kernel streams each unit's k row of activations into the warp's own ring
+// next to its trellis. At 32 rows that k row is 1 KB of fp16 fragments for 2 tiles (256 bytes at
+// K = 4) of trellis: 470 MB of L2 -> shared traffic for a 117 MB layer (8192x28672), and ring
+// space that limits a unit to 2 tiles. Here a block owns one slice of k rows (at most 64 KB of
+// fragments, whole 128-input chunks) and copies it into shared memory once, in parts (see "The
+// slice in parts" below); its 8 warps stream only trellis, in units of CT tiles x 2 or 4 k rows of
+// that slice, and read their B fragments from the block's copy. Split-k,
+// the atomics into z and the output stage (the warp that completes a 128-column block, here after
+// its main loop) are the version-3 kernel's. Measured (H200, session 8): 8192x28672 at 32 rows
+// 103 us against 125; for small layers the slice copy per block does not pay.
+//
+// Grid: for each segment of a grouped product (a block's activations are one segment's), for
+// each k slice, `seg_blocks[s]` blocks; a block's units are a contiguous range of the slice's
+// (column group, k row pair) list, column group major, cut into 8 equal warp ranges (2 warpgroup
+// ranges in the wgmma form, whose units are 4 column groups wide).
+#pragma once
+#include "exl3_gemv.cuh"
+#include "mbarrier.cuh"
+#include "wgmma.cuh"
+
+namespace trellis {
+
+// CFG 0 (shipped): four k rows per unit at four row groups and K <= 4, else two. Per-unit work is
+// paid once per 16 or 8 tiles: at 32 rows of 8192x28672 two k rows took 103 us against one's 117
+// (session 8) and four 6% less than two (session 28, csrc/PERF_NOTES.md); at K > 4 a four-row
+// stage would take ring space from the slice. Benchmark knobs (debug variants 32-34): 1 one k
+// row per unit, 2 four tiles per unit at every NG, 3 both. CFG 4 (variant 35): MUL1's affine
+// step per weight pair, as before session 27 (kSaAffine). CFG 16 (variant 37): two k rows per
+// unit at four groups too, as before session 28 (kSaTwoRows). A timing probe with wrong results:
+// CFG 8 (variant 36) no split-k tail at all (no atomics, count or output stage; kSaNoTail). Variant
+// 38 was CFG 32 (kSaNoFinish: no in-kernel count or output stage, which split products never run;
+// it measured that dead code's cost, 80.5 against 87.4 us at 32 rows of 8192x28672 on an H100).
+// Since session 38 no kernel without kSaInFinish has that stage, so variant 38 runs CFG 0. CFG 64
+// (variant 39): K = 4 states with A masked once (lane_states_k4's A12; at 32 rows of 8192x28672 the same
+// speed as CFG 0 on an H100); CFG 128 (variant 40): A12 with MUL1's byte sums by MMAs
+// (mul1_f16_by_mma, kSaTcSum; 3-5% slower there: six MMAs a tile instead of four). CFG 4224
+// (variant 48, session 40): that with wgmma, where its four fp16 MMAs a tile no longer hold the
+// warp (on a 9.0 device, 17..32 rows, four tiles a unit; elsewhere variant 48 runs CFG 128); it
+// was 8-19% slower than the shipped wgmma form at 17..32 rows and decoded 11% slower at batch 32
+// (H100, session 41).
+// CFG 512 (kSaTwoTiles, shipped where sa_two_tiles says; debug variant 44 forces it): two tiles per
+// unit at four row groups instead of four. CFG 1024 (variant 45, kSaSkipEmpty; written in session
+// 37, not yet run): no MMAs for row groups without rows (the fourth at 17..24 rows), under a
+// warp-uniform test; the accumulators stay. CFG 2048 (kSaInFinish): the warps' output stage (the
+// warp that completes a 128-column block transforms it) compiled in. Only unsplit products need it
+// (gemv_split_finish 0, a debug-build baseline); the split ones, every shipped product, run without
+// its code: at 32 rows of 8192x28672 the kernel without it measured 8% faster (80.5 against
+// 87.4 us on an H100, debug variant 38 against 30, csrc/PERF_NOTES.md session 38), though it never
+// ran there. Debug variant 46 keeps it in and runs split (the baseline of that change).
+// CFG 4096 (kSaWgmma, session 39; with CFG 0 or kSaTwoTiles, four row groups, K <= 4, on a device
+// of compute capability 9.0; sa_wgmma says where): each k row's tiles go to Hopper's warpgroup MMA
+// instead of 4 synchronous MMAs a tile. A warpgroup's 4 warps then take units together: adjacent
+// column groups (warp wi of the 4 the group 4 G + wi), the same k rows, so that one m64n32k16
+// wgmma covers their 4 tiles (the warps' decoded A fragments in registers) x 32 rows (B read by
+// the instruction from the block's slice, which is rearranged once into wgmma's core-matrix
+// layout). The wgmma runs while the warps decode the next k row (two A register sets). Measured
+// on an H100 (session 39, bench/ab_session39c.sh; against the same kernel with synchronous MMAs,
+// TRELLIS_GV_WGMMA=0, in the same call): 8192x28672 at 17 / 24 / 32 rows 69.2-69.6 / 70.2-70.6 /
+// 73.3-75.6 us against 77.1-77.5 / 76.9-77.0 / 79.5-79.9; 4096x28672 at 32 rows 45.6-45.9 against
+// 47.9-48.1; the two-tile form (4096x14336, 14336x4096 at 32 rows) 0.3-1% faster.
+// CFG 8192 (kSaProducts, session 43, not yet run): MUL1's K = 4 decode through the integer path's
+// products (gv_decode_f16's PX: A12 and one window's mask by an IMAD): by nvdisasm of the wgmma
+// form's loop, 38.0 instructions a tile against 39.0, ALU ops 13.9 against 15.9. Why: ncu puts the
+// 32-row product on the H200 at 66% issue with the ALU pipe its busiest (56%), and 0.6x of fp16
+// needs ~10% off (csrc/PERF_NOTES.md, session 43). Debug variant 49 runs the wgmma form with A12
+// alone (kSaA12), 50 with kSaProducts; without wgmma, the synchronous form with the same decode.
+// Session 45 (H100, bench/ab_session44.sh, two passes against the shipped wgmma form in the same
+// call): 49 1.2-2.4% faster at 17 / 24 / 32 rows of 8192x28672 (66.5-73.1 us against 68.1-74.1)
+// and 0.1-2.1% at 4096x28672; 50 0-3.1% faster, about the same. So K = 4 MUL1's wgmma form (four
+// tiles a unit) ships with A12 alone, the smaller change, since then (sa_wgmma_cfg); debug variant
+// 53 runs it without, as before.
+// CFG 16384 (kSaNoSlice, debug variant 54 with the shipped A12 form; session 47): a timing probe
+// with wrong results: no activation slice in shared memory (no copy, no wait for it, no row sums,
+// no rearrangement, no block barrier). Why: ncu put 4.8% of the 32-row product's stall samples at
+// the barrier after the copy, every block of the one wave waiting for its slice at once (H100,
+// csrc/PERF_NOTES.md); this bounds what copying the slice in parts behind the first units could
+// gain before anything is built. Session 47 (H100): 17 / 24 / 32 rows of 8192x28672 64.3-64.7 /
+// 65.8-66.2 / 67.5 us against the shipped 66.9-67.2 / 69.1-69.2 / 73.4-73.5, 4096x28672 8-9% less.
+// (Since session 48 it also leaves out the parts' mbarriers and the row sums.)
+// Debug variant 55 (session 47) copied the slice and waited for it without the passes over it
+// (a probe); with 54 it said the copy, not the passes, costs most (csrc/PERF_NOTES.md).
+// The slice in parts (session 48): thread 0 copies the slice in up to 8 parts of whole chunks, each
+// one bulk copy (TMA) counted on an mbarrier of its own, and a warp waits for a part only before
+// the first unit whose k rows are in it; the prep (prep_frag) wrote the activations in the form's
+// layout (wgmma's core matrices for the wgmma forms: gemv_f16_acts, sa_form) and MUL1's chunk sums,
+// of which each thread loads one at the start and adds it into the row sums after its first unit,
+// on one more mbarrier that only a flush of the slice's first k row waits for. Below sm_90 the
+// block copies the whole slice by cp.async and waits for it. Why: every block of the one wave
+// waited for its whole slice at once (ncu: 4.8% of the 32-row product's stall samples at that
+// barrier; no slice at all, debug variant 54, bounds it at ~3 us of ~71 at 32 rows of
+// 8192x28672), and a thread can only sum and rearrange what it loads itself.
+// Before it (session 47; every form in session 48's first A/B): each thread loaded its 16-byte
+// chunks into registers, stored them in the form's layout and summed its rows, one barrier after
+// (against the three passes before that, copy, row sums, rearrangement, each behind a barrier, 57
+// of 68 pairs faster on an H100, the two-tile wgmma form by 6-8%). The parts against it (H100s,
+// bench/session48.sh, both builds in one call): `parts` (two passes, K = 4 MUL1 at five shapes and
+// K = 2 3INST) at 17..32 rows faster in 30 of 34 pairs, by 1.6% on average (-5.3% to +1.6%), at
+// 9..16 rows (the synchronous two-group form) slower by 0.7% on average (-3.9% to +5.2%); decode
+// at batch 32 / 24 / 16 / 12 7,376 / 6,021 / 4,166 / 3,362 tok/s against 7,409 / 6,021 / 4,149 /
+// 3,377; `final` (three passes, 8192x28672, 4096x28672, 28672x8192) at 17..32 rows faster in 20 of
+// 27 (by 1.1% on average; 32 rows of 8192x28672 +1.4%, +0.5%, -3.2%), at 9..16 rows slower in 26 of
+// 27 (by 2.0% on average, up to 7.0% at 12 rows of 28672x8192). Shipped everywhere regardless, one
+// mechanism: the two-group form's loss is below what it gains on the per-warp kernel (session 39:
+// 6-20%), and two debug forms below test why. That the 32-row product gained less than variant 54
+// bounds suggests the wave's slice traffic itself (every block reads its 64 KB from L2 at the
+// start, beside the trellis stream) rather than the wait for it; untested.
+// Two debug forms of the slice in parts, written in session 48 after its device time was spent
+// (unrun): CFG 32768 (kSaCpSlice, debug variant 57; the synchronous forms only) fills each part by
+// every thread's cp.async, the part's mbarrier counting each thread's arrival once its copies land,
+// instead of thread 0's bulk copies; CFG 65536 (kSaPartsFirst, debug variant 58, with the shipped
+// decode bits: A12 at two groups and in the four-tile wgmma form) copies first the parts the
+// block's teams start in. Why: the synchronous two-group form's 8 teams start all over the slice,
+// the wgmma forms' 2 at its start and middle; if one thread's bulk copies fill a slice more slowly
+// than 256 threads' loads did, the teams that start in late parts wait longer than before.
+// CFG 131072 (kSaHalfSlice, debug variant 59, the shipped decode bits; unrun): a timing probe with
+// wrong results: only the first half of the parts is copied, the others complete at once with
+// nothing in them. Why: at 32 rows the parts gained less than the no-slice probe (54) bounds; if
+// the slice's bytes (every block reading 64 KB from L2 at the wave's start) are what is left, half
+// of them should take about half of the gap to 54, and sharing a slice between the blocks of a
+// cluster (TMA multicast) would pay.
+constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
+              kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
+              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536, kSaHalfSlice = 131072;
+template <int K, int NG, int CFG = 0>
+struct SaShape {
+    static constexpr int C = CFG & 3;                           // the shape part of CFG
+    // tiles per unit: 16 * NG * CT accumulators
+    static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;
+    static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
+    static constexpr int TW = 8 * K;                            // trellis words per tile
+    static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
+    static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
+    static constexpr int KS = 16384 / BROW;                     // k rows per slice: 64 KB of fragments at most
+    static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
+    static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
+    static constexpr int RING_WORDS = kGvWarps * NS * SW;
+    // the slice's parts, each on an mbarrier of its own (whole 128-input chunks: 8 k rows or a
+    // power-of-two multiple)
+    static constexpr int PARTS = 8;
+    // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
+    // the row sums' one
+    static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
+};
+
+// Where each block of the grid works (host-computed, see sa_grid).
+struct SaGrid {
+    int ks = 0;                 // k rows of the largest slice (its shared memory)
+    int nsl = 1;                // k slices, of tk / nsl rows each (rounded either way to whole units)
+    int nseg = 1;               // segments of a grouped product
+    int seg_grp[5] = {};        // first column group of segment s; seg_grp[nseg] = all groups
+    int seg_blocks[4] = {};     // blocks per slice of segment s
+};
+
+template <int K, int CB, int NG, int CFG>
+__global__ void __launch_bounds__(kGvWarps * 32, 2)
+exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ csum, const uint32_t* __restrict__ trellis,
+                    float* __restrict__ z, int m, int in, int out, half* __restrict__ y, int ldy,
+                    const half* __restrict__ svh, const half* __restrict__ bias, int* __restrict__ counters,
+                    int early_trigger, int finish_rows, const __grid_constant__ SaGrid grid) {
+    using S = SaShape<K, NG, CFG>;
+    constexpr int CT = S::CT, KR = S::KR, TW = S::TW, SW = S::SW, NS = S::NS, BROW = S::BROW;
+    // MUL1 decodes to 1024 + t (decode_pair_mul1_raw) without the affine step per weight pair (4
+    // HFMA2 per tile): the flush applies k_inv to each sum, and the warp holding a column group's
+    // first k row of the slice adds k_bias times the slice's row sums of x (computed once per block
+    // from the prep's chunk sums), as the one-group per-warp kernel does with its MMA row sums. On an H100
+    // (session 27): 8192x28672 and 28672x8192 at 17 and 32 rows 6% faster, 14336x4096 2-4%,
+    // 4096x14336 and 4096x28672 at 24 rows 3%, at 32 rows +-3% (csrc/PERF_NOTES.md).
+    constexpr bool RAW = CB == CB_MUL1 && !(CFG & kSaAffine);
+    constexpr bool kInFinish = (CFG & kSaInFinish) != 0;  // finish_rows > 0 possible (unsplit)
+    constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
+    constexpr bool kPx = (CFG & kSaProducts) && K == 4 && RAW && !kTcSum;
+    constexpr bool WG = (CFG & kSaWgmma) != 0;
+    static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
+    // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
+    // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
+    constexpr int GW = WG ? 4 : 1, kTeams = kGvWarps / GW;
+    const int ks = grid.ks;
+    extern __shared__ __align__(16) uint32_t sa_smem[];
+
+    const int lane = threadIdx.x & 31;
+    const Mul1SumSelect tc_select(lane);
+    // With wgmma the warp index comes from lane 0, so that ptxas knows it and all derived from it to
+    // be warp-uniform and keeps the descriptors in uniform registers (bench/wgmma_probe.cu).
+    const int warp = WG ? __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) : (int)threadIdx.x >> 5;
+    const int wi = warp % GW, team = warp / GW;
+    const int tk = in >> 4;
+    const int tn = out >> 4;
+
+    // This block's segment, k slice and range of units.
+    int bx = blockIdx.x, seg = 0;
+    while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
+    const int nb = grid.seg_blocks[seg];
+    const int slice = bx / nb, bi = bx - slice * nb;
+    // k rows [r0, r0 + nr), whole 128-input chunks (the prep's sums are a chunk's), in units of KR
+    // rows: unit row ur covers k rows r0 + KR ur ..
+    const int r0 = 8 * (int)((long)(tk / 8) * slice / grid.nsl);
+    const int nr = 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0;
+    const int nru = nr / KR;
+    const int g_first = grid.seg_grp[seg];
+    const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
+    const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
+    const long u0 = b0 + (b1 - b0) * team / kTeams, u1 = b0 + (b1 - b0) * (team + 1) / kTeams;
+    const int n_units = (int)(u1 - u0);
+
+    const int acts = 0;               // the slice's fragments: nr * BROW words
+    const int ring = ks * BROW + warp * NS * SW;
+    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
+    const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
+    const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
+    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ks * BROW + S::RING_WORDS + 32));
+
+    // The slice in parts of 8 << part_shift k rows (at most PARTS), each copied in bulk by thread 0
+    // and counted on its mbarrier; the row sums on one more (kSumsBar), which every thread
+    // arrives at once it has stored its share, after its first unit: a flush of the slice's first k
+    // row (grp_row0) waits for it. Below sm_90 (no bulk copies) the whole block copies the slice,
+    // sums the rows and waits for all of it.
+    constexpr bool kSlice = !(CFG & kSaNoSlice);
+    constexpr bool kParts = kSlice && kBulkCopies;
+    constexpr bool kCpFill = kParts && (CFG & kSaCpSlice) && !WG;  // (wgmma reads through the async proxy)
+    int part_shift = 3;
+    while ((nr + (1 << part_shift) - 1) >> part_shift > S::PARTS) ++part_shift;
+    const int n_parts = (nr + (1 << part_shift) - 1) >> part_shift;
+    uint32_t waited = kParts ? 0u : ~0u;  // parts (and the row sums) this warp has waited for
+    auto wait_bar = [&](int j) {
+        if (!(waited >> j & 1u)) {
+            mbar_wait(bars + 8 * j, 0);
+            waited |= 1u << j;
+        }
+    };
+    auto wait_part = [&](int row) { wait_bar(row >> part_shift); };  // the part holding k row `row` of the slice
+    constexpr int kSumsBar = S::PARTS;
+    if constexpr (kParts) {
+        if (threadIdx.x == 0) {
+            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, kCpFill ? kGvWarps * 32 : 1);
+            if (RAW) mbar_init(bars + 8 * kSumsBar, kGvWarps * 32);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
+    // RAW: this thread's share of the slice's row sums, the prep's sum of one chunk of one row
+    // ([segment, row, in / 128]): a row's nr / 8 chunks over kPerRow adjacent threads.
+    constexpr int kPerRow = kGvWarps * 32 / (NG * 8);
+    float sum_share = 0.f;
+    auto publish_row_sums = [&]() {
+        if constexpr (RAW && kSlice) {
+#pragma unroll
+            for (int o = kPerRow / 2; o > 0; o >>= 1) sum_share += __shfl_xor_sync(0xffffffffu, sum_share, o);
+            if (threadIdx.x % kPerRow == 0) row_sums[threadIdx.x / kPerRow] = sum_share;
+            if constexpr (kParts) mbar_arrive(bars + 8 * kSumsBar);
+        }
+    };
+
+    // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
+    constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
+    const size_t row_step = (size_t)tn * TW;
+    int p_grp = g_first + GW * (int)(u0 / nru) + wi;
+    int p_row = r0 + KR * (int)(u0 % nru);
+    int p_slot = 0;
+    const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
+    auto issue = [&](int s) {
+        if (s < n_units) {
+#pragma unroll
+            for (int kr = 0; kr < KR; ++kr) {
+                const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * CT * TW + lane * 4) * 4u;
+#pragma unroll
+                for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                    if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + kr * row_step + c0 * 4);
+                }
+            }
+            p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
+            p_src += KR * row_step;
+            if ((p_row += KR) == r0 + nr) {
+                p_row = r0;
+                p_grp += GW;
+                p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
+            }
+        }
+        cp_async_commit();
+    };
+
+    // Prologue: the trellis (a weight) first, then, once the prep before this kernel is done,
+    // the slice's activations (prep_frag wrote them in this form's layout) and row sums.
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) issue(s);
+    if (early_trigger == 1) pdl_launch_dependents();
+    pdl_wait_primary();
+    if constexpr (kSlice) {
+        const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
+        if constexpr (kCpFill) {  // (not a group of their own: they join the ring's next, which they never hold up)
+            for (int j = 0; j < n_parts; ++j) {
+                const int w0 = (j << part_shift) * BROW, w1 = min(nr, (j + 1) << part_shift) * BROW;
+                for (int w = w0 + 4 * (int)threadIdx.x; w < w1; w += 4 * kGvWarps * 32) gv_cp16(acts_sa + w * 4, src + w);
+                mbar_arrive_cp_async(bars + 8 * j);
+            }
+        } else if constexpr (kParts) {
+            if (threadIdx.x == 0) {
+                auto copy_part = [&](int j) {
+                    const int row = j << part_shift, rows = min(1 << part_shift, nr - row);
+                    const uint32_t bytes = (uint32_t)(rows * BROW * 4);
+                    mbar_arrive_expect(bars + 8 * j, bytes);
+                    bulk_load(acts_sa + (uint32_t)(row * BROW * 4), src + (size_t)row * BROW, bytes, bars + 8 * j);
+                };
+                if constexpr (CFG & kSaPartsFirst) {  // the parts the teams start in, then the others
+                    uint32_t first = 0;
+                    for (int t = 0; t < kTeams; ++t) {
+                        const long t0 = b0 + (b1 - b0) * t / kTeams, t1 = b0 + (b1 - b0) * (t + 1) / kTeams;
+                        if (t1 > t0) first |= 1u << ((KR * (int)(t0 % nru)) >> part_shift);
+                    }
+                    for (int j = 0; j < n_parts; ++j)
+                        if (first >> j & 1u) copy_part(j);
+                    for (int j = 0; j < n_parts; ++j)
+                        if (!(first >> j & 1u)) copy_part(j);
+                } else {
+                    for (int j = 0; j < n_parts; ++j) {
+                        if ((CFG & kSaHalfSlice) && 2 * j >= n_parts) mbar_arrive(bars + 8 * j);  // (probe: left empty)
+                        else copy_part(j);
+                    }
+                }
+            }
+        } else {
+            for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(acts_sa + c * 16, src + c * 4);
+            cp_async_commit();
+        }
+        if constexpr (RAW) {  // (loaded now, summed and stored after the first unit)
+            const int row = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
+            if (row < m && c < nr / 8) sum_share = __ldcg(csum + ((size_t)seg * m + row) * (in >> 7) + r0 / 8 + c);
+        }
+        if constexpr (!kParts) {
+            publish_row_sums();
+            cp_async_wait<0>();
+            __syncthreads();
+        }
+    }
+    // Thread 0 waits for every part before it leaves: a block must not end under its copies.
+    auto wait_all_parts = [&]() {
+        if (kParts && threadIdx.x == 0)
+            for (int j = 0; j < n_parts; ++j) wait_bar(j);
+    };
+    if (n_units <= 0) {
+        if constexpr (kParts) publish_row_sums();
+        wait_all_parts();
+        return;
+    }
+
+    int wa, wb, wc, shift;
+    lane_words<K>(lane, wa, wb, wc, shift);
+    bool has_b[NG];  // the lane's B column (row lane / 4 of each group of 8) is a real row
+#pragma unroll
+    for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
+    const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // MMAs for these groups only
+
+    int c_grp = g_first + GW * (int)(u0 / nru) + wi;
+    int c_row = r0 + KR * (int)(u0 % nru);
+    bool grp_row0 = c_row == r0;  // this warp does the slice's first k row of column group c_grp
+    int c_slot = 0;
+    int seg_units = 0;  // k rows of the current column group done by this warp
+    float acc[NG][CT][4];
+    uint32_t a_wg[2][CT][4];  // wgmma: the decoded tiles of even and odd k rows (one set in flight)
+    // wgmma: 0 while the sums hold a flushed column group's, so that the next k row's wgmmas
+    // overwrite them. Zeroing them instead is an ordinary write, which ptxas orders after every
+    // wgmma in flight (a wait it injects, even where the write is predicated off).
+    int wg_scale = 1;
+    auto zero_acc = [&]() {
+#pragma unroll
+        for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+            for (int ct = 0; ct < CT; ++ct)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[gr][ct][q] = 0.f;
+    };
+    // The version-3 completion protocol: count this warp's k rows of the 128-column block; the
+    // warp that completes it applies the output transform, after its main loop (deferred).
+    GvBlockList deferred;
+    auto finish_block = [&](uint2 sv, uint2 bv) {
+        const int blk = (c_grp * CT) >> 3;
+        if (!gv_count_block(counters, blk, seg_units, tk * (8 / CT), lane)) return;
+        if (finish_rows == 1 || !deferred.add(blk))
+            gv_finish_block<false>(z, y, ldy, sv, bv, bias != nullptr, m, out, blk, lane, in, nullptr);
+        if (lane == 0) counters[blk] = 0;
+    };
+
+    zero_acc();
+    for (int s = 0; s < n_units; ++s) {
+        cp_async_wait<NS - 2>();
+        __syncwarp();
+        issue(s + NS - 1);
+        const int stage = ring + c_slot * SW;
+        c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
+        if constexpr (WG) {
+#pragma unroll
+            for (int kr = 0; kr < KR; ++kr) {
+                uint32_t(&av)[CT][4] = a_wg[kr & 1];
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct) {
+                    uint32_t v[4];
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum, kPx>(sa_smem, stage + (kr * CT + ct) * TW,
+                                                                                 wa, wb, wc, shift, v, tc_select);
+                    av[ct][0] = v[0];  // m16n8k16's A order (mma_16816's arguments)
+                    av[ct][1] = v[2];
+                    av[ct][2] = v[1];
+                    av[ct][3] = v[3];
+                }
+                if (kr == 0) wait_part(c_row - r0);  // (a unit's k rows are in one part)
+                const uint64_t desc = wg_smem_desc(acts_sa + (uint32_t)((c_row + kr - r0) * BROW * 4), 128, 256);
+                wg_fence();
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct)
+                    wgmma_rs_n32(acc[0][ct], acc[1][ct], acc[2][ct], acc[3][ct], av[ct], desc, kr == 0 ? wg_scale : 1);
+                wg_commit();
+                wg_wait<1>();  // the previous k row's: its A registers are this loop's next
+            }
+            wg_scale = 1;
+        } else {
+            wait_part(c_row - r0);
+#pragma unroll
+            for (int kr = 0; kr < KR; ++kr) {
+                const int ab = acts + (c_row + kr - r0) * BROW + lane * 2;
+                uint2 b[NG];
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr)
+                    b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(sa_smem + ab + gr * 64) : make_uint2(0u, 0u);
+#pragma unroll
+                for (int ct = 0; ct < CT; ++ct) {
+                    uint32_t v[4];
+                    gv_decode_f16<K, CB, RAW, (CFG & kSaA12) != 0, kTcSum, kPx>(sa_smem, stage + (kr * CT + ct) * TW,
+                                                                                 wa, wb, wc, shift, v, tc_select);
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr)
+                        if (gr < live_groups) mma_16816(acc[gr][ct], v[0], v[2], v[1], v[3], b[gr].x, b[gr].y);
+                }
+            }
+        }
+        if (kParts && s == 0) publish_row_sums();  // (before a flush that may wait for them)
+        seg_units += KR;
+        const bool last = s + 1 == n_units;
+        if ((c_row += KR) == r0 + nr || last) {
+            if constexpr (WG) wg_wait<0>();  // the sums are final
+            if (last && early_trigger == 2) pdl_launch_dependents();
+            uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
+            if constexpr (CFG & kSaNoTail) {  // probe: keep the sums alive without the tail
+                float t = 0.f;
+#pragma unroll
+                for (int gr = 0; gr < NG; ++gr)
+#pragma unroll
+                    for (int ct = 0; ct < CT; ++ct) t += acc[gr][ct][0] + acc[gr][ct][3];
+                if (t == 1.25e-37f) z[lane] = t;
+            } else {
+                // finish_rows 0: gv_finish_kernel transforms the output after this kernel (no count).
+                if (kInFinish && y && finish_rows) gv_block_weights(svh, bias, (c_grp * CT) >> 3, lane, sv, bv);
+                if constexpr (RAW) {
+                    // D rows 2 cq and 2 cq + 1 of each group (gv_flush_f16's sacc[gr][q & 1]).
+                    float sacc[NG][4];
+                    if (grp_row0) wait_bar(kSumsBar);
+#pragma unroll
+                    for (int gr = 0; gr < NG; ++gr) {
+                        const int row = gr * 8 + 2 * (lane & 3);
+                        sacc[gr][0] = grp_row0 ? row_sums[row] : 0.f;
+                        sacc[gr][1] = grp_row0 ? row_sums[row + 1] : 0.f;
+                        sacc[gr][2] = sacc[gr][3] = 0.f;
+                    }
+                    gv_flush_f16<NG, CT, true>(z, acc, c_grp, m, out, lane, sacc);
+                } else {
+                    gv_flush_f16<NG, CT>(z, acc, c_grp, m, out, lane);
+                }
+                if (kInFinish && y && finish_rows) finish_block(sv, bv);
+            }
+            if (!last) {
+                if constexpr (WG) wg_scale = 0; else zero_acc();
+                grp_row0 = true;
+                c_row = r0;
+                c_grp += GW;
+                seg_units = 0;
+            }
+        }
+    }
+    if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
+    if constexpr (WG) wg_wait<0>();  // (the last unit's flush waited already; ptxas cannot tell)
+    cp_async_wait<0>();
+    wait_all_parts();
+}
+
+}  // namespace trellis
