@@ -8,12 +8,13 @@
 # 2. The debug build and the whole GPU suite (test_slice_fill_debug_forms_match_shipped checks
 #    debug variants 57 and 58).
 # 3. The shipped product against debug variants 57 (the synchronous forms' slice parts by every
-#    thread's cp.async) and 58 (the parts the teams start in copied first) at 9, 12, 16, 17, 24
+#    thread's cp.async), 58 (the parts the teams start in copied first) and 60 (the block barrier
+#    after the PDL wait, not before the ring's first copies) at 9, 12, 16, 17, 24
 #    and 32 rows of 8192x28672, 4096x28672 and 28672x8192 (K = 4 MUL1), dense fp16 in the same
 #    process, three passes. Why: the slice in parts measured 2.0% slower than the one-pass form at
 #    9..16 rows (26 of 27 pairs, H100, bench/session48.sh final) and 1.1% faster at 17..32; 57 asks
 #    whether the bulk copies' fill rate is what the synchronous form's 8 teams wait for, 58 whether
-#    their order is.
+#    their order is, 60 whether the start's block barrier is.
 # 4. Debug variants 54 (no slice) and 59 (half the slice's parts copied; both probes with wrong
 #    results) against the shipped product at 17, 24 and 32 rows of 8192x28672 and 4096x28672, two
 #    passes. Why: the parts gained less at 32 rows than 54 bounds; if 59 lands about halfway to 54,
@@ -27,9 +28,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-
 source bench/gpu_common.sh  # the debug build and the whole GPU suite
 for pass in 1 2 3; do
   [ $(left) -gt 40 ] || break
-  echo "== shipped / variants 57, 58, pass $pass $(el)s" | tee -a $L
+  echo "== shipped / variants 57, 58, 60, pass $pass $(el)s" | tee -a $L
   timeout 90 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
-    --shapes 8192x28672 4096x28672 28672x8192 --m 9 12 16 17 24 32 --variants 57 58 2>&1 | python3 -c "$SUM" \
+    --shapes 8192x28672 4096x28672 28672x8192 --m 9 12 16 17 24 32 --variants 57 58 60 2>&1 | python3 -c "$SUM" \
     | grep -v '^{' | tee -a $L
 done
 for pass in 1 2; do

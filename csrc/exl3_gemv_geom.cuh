@@ -34,6 +34,7 @@ constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12
 constexpr int kSaVarCpSlice = 57;        // debug: its synchronous forms' slice parts by every thread's cp.async (kSaCpSlice; unrun)
 constexpr int kSaVarPartsFirst = 58;     // debug: its slice parts the teams start in copied first (kSaPartsFirst; unrun)
 constexpr int kSaVarHalfSlice = 59;      // debug probe (wrong results): its slice's second half of parts not copied (kSaHalfSlice; unrun)
+constexpr int kSaVarLateBarrier = 60;    // debug: its block barrier after the PDL wait, not before the ring's first copies (kSaLateBarrier; unrun)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

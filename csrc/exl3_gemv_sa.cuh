@@ -100,14 +100,15 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53, 54 and 57-59 force it on (sa_forced), 31 and the other variants
+// Debug variants 30, 32-40, 44-46, 48-50, 53, 54 and 57-60 force it on (sa_forced), 31 and the other variants
 // (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
 // groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
-           variant == kSaVarCpSlice || variant == kSaVarPartsFirst || variant == kSaVarHalfSlice;
+           variant == kSaVarCpSlice || variant == kSaVarPartsFirst || variant == kSaVarHalfSlice ||
+           variant == kSaVarLateBarrier;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -189,7 +190,7 @@ struct SaForm {
 constexpr bool sa_wgmma_variant(int variant) {
     return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
            variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice || variant == kSaVarPartsFirst ||
-           variant == kSaVarHalfSlice;
+           variant == kSaVarHalfSlice || variant == kSaVarLateBarrier;
 }
 template <int K, int NG>
 SaForm sa_form(const MmArgs& a, int variant) {
@@ -258,6 +259,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarCpSlice) return launch_gemv_sa<K, CB, NG, kSync | kSaCpSlice>(a, stream);
             if (variant == kSaVarPartsFirst) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaPartsFirst>(a, wg, stream);
             if (variant == kSaVarHalfSlice) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaHalfSlice>(a, wg, stream);
+            if (variant == kSaVarLateBarrier) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaLateBarrier>(a, wg, stream);
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }

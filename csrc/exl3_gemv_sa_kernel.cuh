@@ -123,9 +123,14 @@ namespace trellis {
 // the slice's bytes (every block reading 64 KB from L2 at the wave's start) are what is left, half
 // of them should take about half of the gap to 54, and sharing a slice between the blocks of a
 // cluster (TMA multicast) would pay.
+// CFG 262144 (kSaLateBarrier, debug variant 60, the shipped decode bits; unrun): thread 0 sets up
+// the mbarriers after its ring copies, and the block barrier that publishes them follows the PDL
+// wait (where the block's warps meet anyway) instead of coming before every warp's first trellis
+// copies, as it does in the shipped SASS (BAR.SYNC before the first LDGSTS).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536, kSaHalfSlice = 131072;
+              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536, kSaHalfSlice = 131072,
+              kSaLateBarrier = 262144;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -234,12 +239,16 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     };
     auto wait_part = [&](int row) { wait_bar(row >> part_shift); };  // the part holding k row `row` of the slice
     constexpr int kSumsBar = S::PARTS;
-    if constexpr (kParts) {
+    constexpr bool kLateBarrier = (CFG & kSaLateBarrier) != 0;
+    auto init_bars = [&]() {
         if (threadIdx.x == 0) {
             for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, kCpFill ? kGvWarps * 32 : 1);
             if (RAW) mbar_init(bars + 8 * kSumsBar, kGvWarps * 32);
             mbar_init_fence();
         }
+    };
+    if constexpr (kParts && !kLateBarrier) {
+        init_bars();
         __syncthreads();
     }
     // RAW: this thread's share of the slice's row sums, the prep's sum of one chunk of one row
@@ -287,8 +296,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // the slice's activations (prep_frag wrote them in this form's layout) and row sums.
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) issue(s);
+    if constexpr (kParts && kLateBarrier) init_bars();
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
+    if constexpr (kParts && kLateBarrier) __syncthreads();
     if constexpr (kSlice) {
         const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
         if constexpr (kCpFill) {  // (not a group of their own: they join the ring's next, which they never hold up)

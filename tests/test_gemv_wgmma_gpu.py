@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_CP_SLICE, SA_PARTS_FIRST, SA_PRODUCTS, SA_TC_SUM,  # noqa: E402
-                               SA_TWO_TILES, SA_WGMMA, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_CP_SLICE, SA_LATE_BARRIER, SA_PARTS_FIRST, SA_PRODUCTS,  # noqa: E402
+                               SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run, rand_layer, rel_rms, sa_cfgs,
+                               workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -125,12 +126,13 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("variant,bit", [(57, SA_CP_SLICE), (58, SA_PARTS_FIRST)])
+@pytest.mark.parametrize("variant,bit", [(57, SA_CP_SLICE), (58, SA_PARTS_FIRST), (60, SA_LATE_BARRIER)])
 def test_slice_fill_debug_forms_match_shipped(variant, bit):
-    """Debug variants 57 (the synchronous forms' slice parts by every thread's cp.async) and 58
-    (the parts the teams start in copied first; the wgmma form on Hopper at four row groups) at
-    one, two and four row groups, with several k slices and MUL1's row sums in play: the reference's
-    product, and the shipped kernel's (the block-shared kernel at every size) up to fp32 order."""
+    """Debug variants 57 (the synchronous forms' slice parts by every thread's cp.async), 58 (the
+    parts the teams start in copied first) and 60 (the block barrier after the PDL wait; 58 and 60
+    in the wgmma form on Hopper at four row groups) at one, two and four row groups, with several
+    k slices and MUL1's row sums in play: the reference's product, and the shipped kernel's (the
+    block-shared kernel at every size) up to fp32 order."""
     ext = ops.extension()
     t = rand_layer(14336, 4096, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
@@ -141,8 +143,9 @@ def test_slice_fill_debug_forms_match_shipped(variant, bit):
         with ops.debug_variant(variant):
             (cfg,) = _sa_cfgs(run)
             y = run()
-        assert cfg & bit and bool(cfg & SA_WGMMA) == (variant == 58 and HOPPER and rows > 16), (rows, cfg)
-        assert bool(cfg & SA_A12) == (rows == 12 or (variant == 58 and rows > 16)), (rows, cfg)
+        four_tile_form = variant != 57 and rows > 16  # (the shipped four-tile decode bits)
+        assert cfg & bit and bool(cfg & SA_WGMMA) == (four_tile_form and HOPPER), (rows, cfg)
+        assert bool(cfg & SA_A12) == (rows == 12 or four_tile_form), (rows, cfg)
         try:
             ext.set_gemv_shared_acts(2)
             y_shipped = run()
