@@ -209,7 +209,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int g_first = grid.seg_grp[seg];
     const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
     const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
-    const long u0 = b0 + (b1 - b0) * team / kTeams, u1 = b0 + (b1 - b0) * (team + 1) / kTeams;
+    auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
+    const long u0 = team_first(team), u1 = team_first(team + 1);
     const int n_units = (int)(u1 - u0);
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
@@ -227,9 +228,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr bool kSlice = !(CFG & kSaNoSlice);
     constexpr bool kParts = kSlice && kBulkCopies;
     constexpr bool kCpFill = kParts && (CFG & kSaCpSlice) && !WG;  // (wgmma reads through the async proxy)
-    int part_shift = 3;
-    while ((nr + (1 << part_shift) - 1) >> part_shift > S::PARTS) ++part_shift;
-    const int n_parts = (nr + (1 << part_shift) - 1) >> part_shift;
+    int part_shift = 3, n_parts;
+    while ((n_parts = (nr + (1 << part_shift) - 1) >> part_shift) > S::PARTS) ++part_shift;
     uint32_t waited = kParts ? 0u : ~0u;  // parts (and the row sums) this warp has waited for
     auto wait_bar = [&](int j) {
         if (!(waited >> j & 1u)) {
@@ -302,10 +302,13 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     if constexpr (kParts && kLateBarrier) __syncthreads();
     if constexpr (kSlice) {
         const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
+        auto copy_rows = [&](int row0, int row1) {  // the slice's k rows [row0, row1) by every thread's cp.async
+            for (int w = row0 * BROW + 4 * (int)threadIdx.x; w < row1 * BROW; w += 4 * kGvWarps * 32)
+                gv_cp16(acts_sa + w * 4, src + w);
+        };
         if constexpr (kCpFill) {  // (not a group of their own: they join the ring's next, which they never hold up)
             for (int j = 0; j < n_parts; ++j) {
-                const int w0 = (j << part_shift) * BROW, w1 = min(nr, (j + 1) << part_shift) * BROW;
-                for (int w = w0 + 4 * (int)threadIdx.x; w < w1; w += 4 * kGvWarps * 32) gv_cp16(acts_sa + w * 4, src + w);
+                copy_rows(j << part_shift, min(nr, (j + 1) << part_shift));
                 mbar_arrive_cp_async(bars + 8 * j);
             }
         } else if constexpr (kParts) {
@@ -319,8 +322,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 if constexpr (CFG & kSaPartsFirst) {  // the parts the teams start in, then the others
                     uint32_t first = 0;
                     for (int t = 0; t < kTeams; ++t) {
-                        const long t0 = b0 + (b1 - b0) * t / kTeams, t1 = b0 + (b1 - b0) * (t + 1) / kTeams;
-                        if (t1 > t0) first |= 1u << ((KR * (int)(t0 % nru)) >> part_shift);
+                        const long t0 = team_first(t);
+                        if (team_first(t + 1) > t0) first |= 1u << ((KR * (int)(t0 % nru)) >> part_shift);
                     }
                     for (int j = 0; j < n_parts; ++j)
                         if (first >> j & 1u) copy_part(j);
@@ -334,7 +337,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 }
             }
         } else {
-            for (int c = threadIdx.x; c < nr * BROW / 4; c += kGvWarps * 32) gv_cp16(acts_sa + c * 16, src + c * 4);
+            copy_rows(0, nr);
             cp_async_commit();
         }
         if constexpr (RAW) {  // (loaded now, summed and stored after the first unit)
