@@ -106,7 +106,7 @@ namespace trellis {
 // 27 (by 1.1% on average; 32 rows of 8192x28672 +1.4%, +0.5%, -3.2%), at 9..16 rows slower in 26 of
 // 27 (by 2.0% on average, up to 7.0% at 12 rows of 28672x8192). Shipped everywhere regardless, one
 // mechanism: the two-group form's loss is below what it gains on the per-warp kernel (session 39:
-// 6-20%), and two debug forms below test why. That the 32-row product gained less than variant 54
+// 12-21% at 12 / 16 rows of the shapes it serves), and debug forms below test why. That the 32-row product gained less than variant 54
 // bounds suggests the wave's slice traffic itself (every block reads its 64 KB from L2 at the
 // start, beside the trellis stream) rather than the wait for it; untested.
 // Two debug forms of the slice in parts, written in session 48 after its device time was spent
