@@ -1,7 +1,8 @@
 #!/bin/bash
-# Session 48's A/B for the next GPU call (written after its device time was spent; unrun), on
-# whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds (default 560); each part
-# after the first runs only if the call's clock leaves it room.
+# Session 48's A/B for the next GPU call (written after its device time was spent), on whatever
+# card comes; carry .devcarry/shared. Ran in session 49 on an H100 (csrc/PERF_NOTES.md): none of
+# variants 57-60 paid, and they are gone since, so the script is a record. At most ~CALL_S
+# seconds (default 560); each part after the first runs only if the call's clock leaves it room.
 # 1. On an H200 (and not GOALS=0): the issue's goals first (bench/h200_goals.sh, its own shipped
 #    build): nothing has run there since session 43, before A12 (45), the one-pass slice (47) and
 #    the slice in parts (48).

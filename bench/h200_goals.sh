@@ -10,7 +10,7 @@
 #   tokens; bench/stream_probe.cu (how fast the one-row product's ring reads its trellis with no
 #   decode, against a plain read: on the H200 30.3 us against 27.6, session 37); ncu of the
 #   one-row product (issue, stalls, DRAM) and its stall samples per SASS instruction
-#   ($OUT/ncu_src.csv).
+#   ($OUT/ncu_src.csv). QUICK=1 stops after the prefill (no probe, no ncu: ~100 s less).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
 export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1  # gpu_common.sh then builds the shipped kernels alone, runs no tests
@@ -34,6 +34,7 @@ for l in sys.stdin:
   for s in c.get("sites", []): print("  ", s["critical_us"], s["us"], s["kernel"])' | tee -a $L
 echo "== prefill 4096 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.prefill --paths cuda --lengths 4096 --modes last_logits 2>&1 | tail -1 | tee -a $L
+[ "${QUICK:-0}" = 1 ] && { echo "== goals done (quick) $(el)s" | tee -a $L; exit 0; }
 echo "== stream probe $(el)s" | tee -a $L  # the ring's read rate without the product's work
 nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc bench/stream_probe.cu -o /tmp/stream_probe && timeout 60 /tmp/stream_probe 20 0 100 \
   | cut -c1-160 | tee -a $L

@@ -31,10 +31,8 @@ constexpr int kGvVarI8FourRows = 51;     // debug: the integer path's 5..8 rows 
 constexpr int kSaVarWgmmaNoA12 = 53;     // debug: its wgmma form without A12 (shipped until session 45)
 constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12 form without the activation slice (kSaNoSlice)
 // 55 and 56 (session 47): the slice copied without passes over it (a probe), and in one pass (every form, session 48, before its parts)
-constexpr int kSaVarCpSlice = 57;        // debug: its synchronous forms' slice parts by every thread's cp.async (kSaCpSlice; unrun)
-constexpr int kSaVarPartsFirst = 58;     // debug: its slice parts the teams start in copied first (kSaPartsFirst; unrun)
-constexpr int kSaVarHalfSlice = 59;      // debug probe (wrong results): its slice's second half of parts not copied (kSaHalfSlice; unrun)
-constexpr int kSaVarLateBarrier = 60;    // debug: its block barrier after the PDL wait, not before the ring's first copies (kSaLateBarrier; unrun)
+// 57-60 (sessions 48-49): other fills of the slice's parts, and a probe with half of them (removed)
+constexpr int kSaVarWide = 61;           // debug: its shipped forms in blocks of 16 warps with slices twice as deep (kSaWide), under the shipped rules
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

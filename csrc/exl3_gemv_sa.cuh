@@ -6,20 +6,17 @@
 
 namespace trellis {
 
-// The blocks per SM the block-shared kernel's grid is sized for (sa_grid) and its slices fit
-// (sa_slice_rows); its launch pads shared memory to hold an SM at that (gv_capped_smem).
-constexpr int kSaBlocksPerSm = 2;
-
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
 // multiple of 8: slices are whole 128-input chunks, since the row sums come a chunk at a time; a
 // block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
-// With the compact setting kGvCompactTwoBlocks, what fits in half an SM, since the grid is sized
-// for two blocks per SM (an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90 KS fits).
+// With the compact setting kGvCompactTwoBlocks, what fits in an SM's share of the blocks the grid
+// is sized for (SaShape::BLOCKS_PER_SM; an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90
+// KS fits).
 template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
     const SmemLimits lim = device_smem_limits();
-    const int sm_share = lim.per_sm / kSaBlocksPerSm - lim.reserved;
+    const int sm_share = lim.per_sm / S::BLOCKS_PER_SM - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
     const int budget = two ? sm_share : lim.per_block;
     const int fit = (budget / 4 - S::RING_WORDS - S::EXTRA_WORDS) / S::BROW;
@@ -33,8 +30,8 @@ int sa_slice_rows(int tk) {
 // traffic, its completion counts and the output stage took a quarter of 8192x28672's time and
 // half of 4096x14336's (no-tail probe, session 28). Then blocks per slice for each segment, in
 // proportion to its columns, with at least gemv_min_units() two-k-row units per warp, and never
-// more than two blocks per SM in all: one more would run in a second wave (4096x28672 at 17..32
-// rows: 265 blocks, 30% slower; csrc/PERF_NOTES.md).
+// more blocks than fit at once (SaShape::BLOCKS_PER_SM per SM): one more would run in a second wave
+// (4096x28672 at 17..32 rows: 265 blocks, 30% slower; csrc/PERF_NOTES.md).
 // gemv_sa_grid() == 0: the rule before session 28, a benchmark baseline (about 8 column groups per
 // block; blocks per slice rounded to nearest, so sometimes a block more than fits at once).
 template <int K, int NG, int CFG = 0>
@@ -43,7 +40,7 @@ SaGrid sa_grid(const MmArgs& a) {
     SaGrid gd;
     const int tk = a.in / 16, tc = tk / 8;  // k rows, 128-input chunks
     const int groups = a.out / 16 / S::CT;
-    const long target = (long)kSaBlocksPerSm * (a.num_sms > 0 ? a.num_sms : 132);
+    const long target = (long)S::BLOCKS_PER_SM * (a.num_sms > 0 ? a.num_sms : 132);
     const int kc_fit = sa_slice_rows<K, NG, CFG>(tk) / 8;
     const bool old_rule = gemv_sa_grid() == 0;
     long nsl = (target * (old_rule ? 8 : 2) + groups - 1) / groups;
@@ -64,10 +61,10 @@ SaGrid sa_grid(const MmArgs& a) {
         long nb, by_units;
         if (old_rule) {
             nb = (target * gs + (long)groups * gd.nsl / 2) / ((long)groups * gd.nsl);
-            by_units = gs * (rows / S::KR) / (8L * gemv_min_units());
+            by_units = gs * (rows / S::KR) / ((long)S::WARPS * gemv_min_units());
         } else {
             nb = target * gs / ((long)groups * gd.nsl);
-            by_units = gs * (rows / 2) / (8L * gemv_min_units());
+            by_units = gs * (rows / 2) / ((long)S::WARPS * gemv_min_units());
         }
         if (nb > by_units) nb = by_units;
         gd.seg_blocks[s] = (int)(nb > 0 ? nb : 1);
@@ -100,21 +97,21 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53, 54 and 57-60 force it on (sa_forced), 31 and the other variants
-// (probes and configurations of the version-3 kernel) off. Segment starts must fall on its column
-// groups.
+// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 61 keeps these rules
+// (sa_rules), 31 and the other variants (probes and configurations of the version-3 kernel) off.
+// Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
     return variant == 30 || (variant >= 32 && variant <= 40) || variant == kSaVarTwoTiles || variant == kSaVarSkipEmpty ||
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
-           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice ||
-           variant == kSaVarCpSlice || variant == kSaVarPartsFirst || variant == kSaVarHalfSlice ||
-           variant == kSaVarLateBarrier;
+           variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
+// The variants under which products take the shipped rules and forms (61 changes only the blocks).
+constexpr bool sa_rules(int variant) { return variant == 0 || variant == kSaVarWide; }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
-    if (variant != 0 && !sa_forced(variant)) return false;
+    if (!sa_rules(variant) && !sa_forced(variant)) return false;
     if (a.zero_after) return false;  // the per-warp kernel zeroes the open sums its prep read
-    const int mode = variant ? 2 : gemv_shared_acts();
+    const int mode = sa_rules(variant) ? gemv_shared_acts() : 2;
     if (mode == 0 || sa_slice_rows<K, NG>(a.in / 16) == 0) return false;
     if (mode != 2) {
         const long weights = (long)a.in * a.out;
@@ -139,7 +136,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS) * 4, kSaBlocksPerSm);
+    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS) * 4, S::BLOCKS_PER_SM);
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.
@@ -148,7 +145,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
         if (sa_unsplit(a)) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
     }
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
-    const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(kGvWarps * 32),
+    const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(S::WARPS * 32),
                                           smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
@@ -189,16 +186,15 @@ struct SaForm {
 };
 constexpr bool sa_wgmma_variant(int variant) {
     return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
-           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice || variant == kSaVarPartsFirst ||
-           variant == kSaVarHalfSlice || variant == kSaVarLateBarrier;
+           variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
 template <int K, int NG>
 SaForm sa_form(const MmArgs& a, int variant) {
     SaForm f;
     f.shared = sa_applies<K, NG>(a, variant);
     if (!f.shared || NG != 4) return f;
-    f.two_tiles = variant == kSaVarTwoTiles || (variant == 0 && sa_two_tiles<K>(a));
-    const bool form = variant == 0 || (kDebugVariants && K == 4 && a.codebook == CB_MUL1 && sa_wgmma_variant(variant));
+    f.two_tiles = variant == kSaVarTwoTiles || (sa_rules(variant) && sa_two_tiles<K>(a));
+    const bool form = sa_rules(variant) || (kDebugVariants && K == 4 && a.codebook == CB_MUL1 && sa_wgmma_variant(variant));
     f.wgmma = form && !sa_unsplit(a) && sa_wgmma<K>(a, f.two_tiles ? 2 : 4);
     return f;
 }
@@ -230,6 +226,17 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     const SaForm f = sa_form<K, NG>(a, variant);
     if (f.shared) {
+        if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {  // the shipped forms in wide blocks
+            if (variant == kSaVarWide) {
+                if constexpr (NG == 4) {
+                    if (f.wgmma)
+                        return f.two_tiles ? launch_gemv_sa<K, CB, NG, kSaWide | kSaTwoTiles | kSaWgmma>(a, stream)
+                                           : launch_gemv_sa<K, CB, NG, kSaWide | kSaWgmma | sa_decode_cfg<K, CB, NG, true>()>(a, stream);
+                    if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaWide | kSaTwoTiles>(a, stream);
+                }
+                return launch_gemv_sa<K, CB, NG, kSaWide | sa_decode_cfg<K, CB, NG, false>()>(a, stream);
+            }
+        }
         if constexpr (NG == 4) {
             if constexpr (K <= 4) {
                 if (variant == 0 && f.wgmma)
@@ -255,11 +262,6 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaProducts) return launch_gemv_sa_decode<K, CB, NG, kSaProducts>(a, wg, stream);
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, wg, stream);
             if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, wg, stream);
-            constexpr int kSync = sa_decode_cfg<K, CB, NG, false>(), kFour = sa_decode_cfg<K, CB, NG, NG == 4>();
-            if (variant == kSaVarCpSlice) return launch_gemv_sa<K, CB, NG, kSync | kSaCpSlice>(a, stream);
-            if (variant == kSaVarPartsFirst) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaPartsFirst>(a, wg, stream);
-            if (variant == kSaVarHalfSlice) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaHalfSlice>(a, wg, stream);
-            if (variant == kSaVarLateBarrier) return launch_gemv_sa_decode<K, CB, NG, kFour | kSaLateBarrier>(a, wg, stream);
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }

@@ -109,44 +109,41 @@ namespace trellis {
 // 12-21% at 12 / 16 rows of the shapes it serves), and debug forms below test why. That the 32-row product gained less than variant 54
 // bounds suggests the wave's slice traffic itself (every block reads its 64 KB from L2 at the
 // start, beside the trellis stream) rather than the wait for it; untested.
-// Two debug forms of the slice in parts, written in session 48 after its device time was spent
-// (unrun): CFG 32768 (kSaCpSlice, debug variant 57; the synchronous forms only) fills each part by
-// every thread's cp.async, the part's mbarrier counting each thread's arrival once its copies land,
-// instead of thread 0's bulk copies; CFG 65536 (kSaPartsFirst, debug variant 58, with the shipped
-// decode bits: A12 at two groups and in the four-tile wgmma form) copies first the parts the
-// block's teams start in. Why: the synchronous two-group form's 8 teams start all over the slice,
-// the wgmma forms' 2 at its start and middle; if one thread's bulk copies fill a slice more slowly
-// than 256 threads' loads did, the teams that start in late parts wait longer than before.
-// CFG 131072 (kSaHalfSlice, debug variant 59, the shipped decode bits; unrun): a timing probe with
-// wrong results: only the first half of the parts is copied, the others complete at once with
-// nothing in them. Why: at 32 rows the parts gained less than the no-slice probe (54) bounds; if
-// the slice's bytes (every block reading 64 KB from L2 at the wave's start) are what is left, half
-// of them should take about half of the gap to 54, and sharing a slice between the blocks of a
-// cluster (TMA multicast) would pay.
-// CFG 262144 (kSaLateBarrier, debug variant 60, the shipped decode bits; unrun): thread 0 sets up
-// the mbarriers after its ring copies, and the block barrier that publishes them follows the PDL
-// wait (where the block's warps meet anyway) instead of coming before every warp's first trellis
-// copies, as it does in the shipped SASS (BAR.SYNC before the first LDGSTS).
+// Debug forms 57-60 (session 48, timed in session 49 on an H100 and removed): the synchronous
+// forms' parts filled by every thread's cp.async (57), the parts the teams start in copied first
+// (58), half the slice copied (59, a probe) and the block barrier after the PDL wait (60). None
+// closed the 9..16-row gap: 57 and 58 were 1-3% slower, 60 within +-2% with no direction, and 59
+// came about halfway to 54 at 32 rows of 8192x28672 only (-1.7% against -3.9%), so sharing a slice
+// between a cluster's blocks could gain at most ~2% (csrc/PERF_NOTES.md, session 49).
+// CFG 524288 (kSaWide, debug variant 61, session 49): blocks of 16 warps, one to an SM, whose
+// slices are twice as deep (128 KB of fragments: 128 k rows at four row groups, 256 at two).
+// Why: the split-k tail. Every team flushes a column group's sums into the workspace once per k
+// slice it covers, and a flush also falls wherever a team's range ends inside a column group: at
+// 32 rows of 8192x28672 8 slices x 112 wgmma column units plus 528 team ends, ~1,420 flushes of
+// 32 x 256 sums; with 4 slices ~980. ncu put 10.5% of the 32-row product's stall samples on the
+// flushes (session 47, H100), and no tail at all measured ~6 us of ~73 (session 38). The same
+// warps an SM and registers a thread (launch bounds 512 x 1 against 256 x 2).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaCpSlice = 32768, kSaPartsFirst = 65536, kSaHalfSlice = 131072,
-              kSaLateBarrier = 262144;
+              kSaNoSlice = 16384, kSaWide = 524288;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
     // tiles per unit: 16 * NG * CT accumulators
     static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
+    static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;  // a block's
+    static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : 2;           // the grid's blocks per SM
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
-    static constexpr int KS = 16384 / BROW;                     // k rows per slice: 64 KB of fragments at most
+    static constexpr int KS = 16384 * (WARPS / kGvWarps) / BROW;  // k rows per slice: 64 KB of fragments at most (wide: 128)
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
     static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
-    static constexpr int RING_WORDS = kGvWarps * NS * SW;
+    static constexpr int RING_WORDS = WARPS * NS * SW;
     // the slice's parts, each on an mbarrier of its own (whole 128-input chunks: 8 k rows or a
     // power-of-two multiple)
-    static constexpr int PARTS = 8;
+    static constexpr int PARTS = 8 * (WARPS / kGvWarps);
     // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
     // the row sums' one
     static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
@@ -162,7 +159,7 @@ struct SaGrid {
 };
 
 template <int K, int CB, int NG, int CFG>
-__global__ void __launch_bounds__(kGvWarps * 32, 2)
+__global__ void __launch_bounds__(SaShape<K, NG, CFG>::WARPS * 32, SaShape<K, NG, CFG>::BLOCKS_PER_SM)
 exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ csum, const uint32_t* __restrict__ trellis,
                     float* __restrict__ z, int m, int in, int out, half* __restrict__ y, int ldy,
                     const half* __restrict__ svh, const half* __restrict__ bias, int* __restrict__ counters,
@@ -183,7 +180,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
     // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
-    constexpr int GW = WG ? 4 : 1, kTeams = kGvWarps / GW;
+    constexpr int kThreads = S::WARPS * 32;
+    constexpr int GW = WG ? 4 : 1, kTeams = S::WARPS / GW;
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 
@@ -227,7 +225,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // sums the rows and waits for all of it.
     constexpr bool kSlice = !(CFG & kSaNoSlice);
     constexpr bool kParts = kSlice && kBulkCopies;
-    constexpr bool kCpFill = kParts && (CFG & kSaCpSlice) && !WG;  // (wgmma reads through the async proxy)
     int part_shift = 3, n_parts;
     while ((n_parts = (nr + (1 << part_shift) - 1) >> part_shift) > S::PARTS) ++part_shift;
     uint32_t waited = kParts ? 0u : ~0u;  // parts (and the row sums) this warp has waited for
@@ -239,21 +236,18 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     };
     auto wait_part = [&](int row) { wait_bar(row >> part_shift); };  // the part holding k row `row` of the slice
     constexpr int kSumsBar = S::PARTS;
-    constexpr bool kLateBarrier = (CFG & kSaLateBarrier) != 0;
-    auto init_bars = [&]() {
+    if constexpr (kParts) {
         if (threadIdx.x == 0) {
-            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, kCpFill ? kGvWarps * 32 : 1);
-            if (RAW) mbar_init(bars + 8 * kSumsBar, kGvWarps * 32);
+            for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, 1);
+            if (RAW) mbar_init(bars + 8 * kSumsBar, kThreads);
             mbar_init_fence();
         }
-    };
-    if constexpr (kParts && !kLateBarrier) {
-        init_bars();
         __syncthreads();
     }
     // RAW: this thread's share of the slice's row sums, the prep's sum of one chunk of one row
-    // ([segment, row, in / 128]): a row's nr / 8 chunks over kPerRow adjacent threads.
-    constexpr int kPerRow = kGvWarps * 32 / (NG * 8);
+    // ([segment, row, in / 128]): a row's nr / 8 chunks over kPerRow adjacent threads of a warp.
+    constexpr int kPerRow = kThreads / (NG * 8);
+    static_assert(kPerRow <= 32, "a row's sum is a warp's shuffle");
     float sum_share = 0.f;
     auto publish_row_sums = [&]() {
         if constexpr (RAW && kSlice) {
@@ -296,48 +290,21 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // the slice's activations (prep_frag wrote them in this form's layout) and row sums.
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) issue(s);
-    if constexpr (kParts && kLateBarrier) init_bars();
     if (early_trigger == 1) pdl_launch_dependents();
     pdl_wait_primary();
-    if constexpr (kParts && kLateBarrier) __syncthreads();
     if constexpr (kSlice) {
         const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
-        auto copy_rows = [&](int row0, int row1) {  // the slice's k rows [row0, row1) by every thread's cp.async
-            for (int w = row0 * BROW + 4 * (int)threadIdx.x; w < row1 * BROW; w += 4 * kGvWarps * 32)
-                gv_cp16(acts_sa + w * 4, src + w);
-        };
-        if constexpr (kCpFill) {  // (not a group of their own: they join the ring's next, which they never hold up)
-            for (int j = 0; j < n_parts; ++j) {
-                copy_rows(j << part_shift, min(nr, (j + 1) << part_shift));
-                mbar_arrive_cp_async(bars + 8 * j);
-            }
-        } else if constexpr (kParts) {
+        if constexpr (kParts) {
             if (threadIdx.x == 0) {
-                auto copy_part = [&](int j) {
+                for (int j = 0; j < n_parts; ++j) {
                     const int row = j << part_shift, rows = min(1 << part_shift, nr - row);
                     const uint32_t bytes = (uint32_t)(rows * BROW * 4);
                     mbar_arrive_expect(bars + 8 * j, bytes);
                     bulk_load(acts_sa + (uint32_t)(row * BROW * 4), src + (size_t)row * BROW, bytes, bars + 8 * j);
-                };
-                if constexpr (CFG & kSaPartsFirst) {  // the parts the teams start in, then the others
-                    uint32_t first = 0;
-                    for (int t = 0; t < kTeams; ++t) {
-                        const long t0 = team_first(t);
-                        if (team_first(t + 1) > t0) first |= 1u << ((KR * (int)(t0 % nru)) >> part_shift);
-                    }
-                    for (int j = 0; j < n_parts; ++j)
-                        if (first >> j & 1u) copy_part(j);
-                    for (int j = 0; j < n_parts; ++j)
-                        if (!(first >> j & 1u)) copy_part(j);
-                } else {
-                    for (int j = 0; j < n_parts; ++j) {
-                        if ((CFG & kSaHalfSlice) && 2 * j >= n_parts) mbar_arrive(bars + 8 * j);  // (probe: left empty)
-                        else copy_part(j);
-                    }
                 }
             }
         } else {
-            copy_rows(0, nr);
+            for (int w = 4 * (int)threadIdx.x; w < nr * BROW; w += 4 * kThreads) gv_cp16(acts_sa + w * 4, src + w);
             cp_async_commit();
         }
         if constexpr (RAW) {  // (loaded now, summed and stored after the first unit)

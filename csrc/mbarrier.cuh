@@ -38,12 +38,6 @@ __device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, uint32_t bytes)
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 #endif
 }
-// `bytes` more the phase waits for, without an arrival.
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
 // Until the phase of this parity completes (acquire: what the arrivals released, and the bytes
 // copied, are visible after it).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -56,13 +50,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
-#endif
-}
-// One arrival once every cp.async this thread issued before it has landed (counted among the
-// barrier's arrivals: .noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 #endif
 }
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,

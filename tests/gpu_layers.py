@@ -61,9 +61,9 @@ def template_args(names, kernel: str) -> list[list[str]]:
 
 
 # The block-shared kernel's CFG bits (csrc/exl3_gemv_sa_kernel.cuh: kSaA12, kSaTcSum, kSaTwoTiles,
-# kSaInFinish, kSaWgmma, kSaProducts, kSaCpSlice, kSaPartsFirst, kSaLateBarrier).
+# kSaInFinish, kSaWgmma, kSaProducts, kSaWide).
 SA_A12, SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA, SA_PRODUCTS = 64, 128, 512, 2048, 4096, 8192
-SA_CP_SLICE, SA_PARTS_FIRST, SA_LATE_BARRIER = 32768, 65536, 262144
+SA_WIDE = 524288
 
 
 def sa_cfgs(names) -> list[int]:

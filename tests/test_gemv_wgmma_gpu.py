@@ -17,9 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_CP_SLICE, SA_LATE_BARRIER, SA_PARTS_FIRST, SA_PRODUCTS,  # noqa: E402
-                               SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, kernels_run, rand_layer, rel_rms, sa_cfgs,
-                               workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
+                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -126,33 +125,34 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("variant,bit", [(57, SA_CP_SLICE), (58, SA_PARTS_FIRST), (60, SA_LATE_BARRIER)])
-def test_slice_fill_debug_forms_match_shipped(variant, bit):
-    """Debug variants 57 (the synchronous forms' slice parts by every thread's cp.async), 58 (the
-    parts the teams start in copied first) and 60 (the block barrier after the PDL wait; 58 and 60
-    in the wgmma form on Hopper at four row groups) at one, two and four row groups, with several
-    k slices and MUL1's row sums in play: the reference's product, and the shipped kernel's (the
-    block-shared kernel at every size) up to fp32 order."""
+@pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (2048, 1536), (128, 2048)])
+def test_wide_blocks_match_shipped(n_in, n_out):
+    """Debug variant 61 (kSaWide): the shipped forms in blocks of 16 warps, one to an SM, with
+    slices twice as deep. At two and four row groups (12, 24 and 32 rows: synchronous with A12,
+    wgmma at four and two tiles a unit on Hopper), with several k slices of uneven length (14,336
+    inputs), one slice, and one chunk of 128 inputs, MUL1's row sums in play: the reference's
+    product, and the shipped blocks' up to fp32 order. One row group (5 rows) keeps the shipped
+    blocks (a row's chunk sums would span two warps)."""
     ext = ops.extension()
-    t = rand_layer(14336, 4096, 4, "mul1", seed=variant, bias=True)
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (5, 12, 24, 32):
-        x = torch.randn(rows, 14336, device=DEV).half()
-        x[:, 9] = 16.0
-        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
-        with ops.debug_variant(variant):
-            (cfg,) = _sa_cfgs(run)
-            y = run()
-        four_tile_form = variant != 57 and rows > 16  # (the shipped four-tile decode bits)
-        assert cfg & bit and bool(cfg & SA_WGMMA) == (four_tile_form and HOPPER), (rows, cfg)
-        assert bool(cfg & SA_A12) == (rows == 12 or four_tile_form), (rows, cfg)
-        try:
-            ext.set_gemv_shared_acts(2)
+    try:
+        ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
+        for rows in (5, 12, 24, 32):
+            x = torch.randn(rows, n_in, device=DEV).half()
+            x[:, 9] = 16.0
+            run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+            (cfg_shipped,) = _sa_cfgs(run)
             y_shipped = run()
-        finally:
-            ext.set_gemv_shared_acts(ops.GV_SHARED)
-        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
-        assert rel_rms(y, y_shipped) < 1e-3, rows
+            with ops.debug_variant(61):
+                (cfg,) = _sa_cfgs(run)
+                y = run()
+            assert cfg == (cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped), (rows, cfg, cfg_shipped)
+            assert bool(cfg & SA_WGMMA) == (HOPPER and rows > 16), (rows, cfg)
+            assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
+            assert rel_rms(y, y_shipped) < 1e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()
 
 
