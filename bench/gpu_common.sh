@@ -4,7 +4,7 @@
 # $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1; debug variants unless TRELLIS_DEBUG_VARIANTS=0),
 # decode_by_setting (an A/B of one setting on whole-model decode), and $SUM, a one-line-per-row
 # summary of bench.linear's JSON lines (other lines pass through).
-export TRELLIS_DEBUG_VARIANTS=${TRELLIS_DEBUG_VARIANTS:-1} PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=16
+export TRELLIS_DEBUG_VARIANTS=${TRELLIS_DEBUG_VARIANTS:-1} PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=${MAX_JOBS:-16}
 L=$OUT/log.txt
 t0=$(date +%s)
 el() { echo $(( $(date +%s)-t0 )); }

@@ -1,9 +1,11 @@
 #!/bin/bash
 # Session 49's GPU call, on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds
-# (default 560); each part after the tests runs only if the call's clock leaves it room.
+# (default 560); each part after the first suite runs only if the call's clock leaves it room.
 # 1. On an H200 (and not GOALS=0): the issue's goals (bench/h200_goals.sh QUICK=1: its own shipped
 #    build, the 1 / 8 / 32-row products with dense fp16 in the same runs, batch-1 decode, prefill).
-# 2. The debug build and the whole GPU suite (test_wide_blocks_match_shipped checks variant 61).
+# 2. The debug build and the whole GPU suite (test_wide_blocks_match_shipped checks variant 61);
+#    beside it a debug build with TRELLIS_SA_WIDE_SHIPPED (every shipped block-shared form at two
+#    and four row groups in wide blocks), whose whole GPU suite runs after part 3.
 # 3. The shipped product against debug variant 61 (kSaWide: the same forms in blocks of 16 warps,
 #    one to an SM, slices twice as deep, so fewer k slices and workspace flushes) at 9, 12, 16, 17,
 #    24 and 32 rows of 8192x28672, 4096x28672, 28672x8192, 4096x14336 and 14336x4096 (K = 4
@@ -15,6 +17,9 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | te
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-560} - ($(date +%s) - t_call) )); }
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-1}" = 1 ] && QUICK=1 bash bench/h200_goals.sh
+(TRELLIS_NVCC_DEFINES=TRELLIS_SA_WIDE_SHIPPED TRELLIS_DEBUG_VARIANTS=1 TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=6 \
+  timeout 300 python3 -c "from engine import ops; ops.extension(); print('wide-shipped build ready')" > $OUT/build_wide.txt 2>&1) &
+export MAX_JOBS=10
 source bench/gpu_common.sh  # the debug build and the whole GPU suite
 for pass in 1 2 3; do
   [ $(left) -gt 40 ] || break
@@ -23,6 +28,13 @@ for pass in 1 2 3; do
     --shapes 8192x28672 4096x28672 28672x8192 4096x14336 14336x4096 --m 9 12 16 17 24 32 --variants 61 2>&1 \
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 done
+wait
+tail -n 1 $OUT/build_wide.txt | tee -a $L
+if [ $(left) -gt 100 ]; then
+  echo "== gpu tests, TRELLIS_SA_WIDE_SHIPPED $(el)s" | tee -a $L
+  TRELLIS_NVCC_DEFINES=TRELLIS_SA_WIDE_SHIPPED timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests \
+    > $OUT/pytest_gpu_wide.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu_wide.txt | head -30 | tee -a $L
+fi
 M=/tmp/llama3-8b
 [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 for pass in 1 2; do
