@@ -1,15 +1,17 @@
 #!/bin/bash
 # Session 49's GPU call, on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds
-# (default 560); each part after the first suite runs only if the call's clock leaves it room.
+# (default 560); each part after the A/B's first two passes runs only if the call's clock leaves
+# it room (the tests come after them, so that a short call still times the variant).
 # 1. On an H200 (and not GOALS=0): the issue's goals (bench/h200_goals.sh QUICK=1: its own shipped
 #    build, the 1 / 8 / 32-row products with dense fp16 in the same runs, batch-1 decode, prefill).
-# 2. The debug build and the whole GPU suite (test_wide_blocks_match_shipped checks variant 61);
-#    beside it a debug build with TRELLIS_SA_WIDE_SHIPPED (every shipped block-shared form at two
-#    and four row groups in wide blocks), whose whole GPU suite runs after part 3.
+# 2. The debug build, and beside it a debug build with TRELLIS_SA_WIDE_SHIPPED (every shipped
+#    block-shared form at two and four row groups in wide blocks).
 # 3. The shipped product against debug variant 61 (kSaWide: the same forms in blocks of 16 warps,
 #    one to an SM, slices twice as deep, so fewer k slices and workspace flushes) at 9, 12, 16, 17,
 #    24 and 32 rows of 8192x28672, 4096x28672, 28672x8192, 4096x14336 and 14336x4096 (K = 4
-#    MUL1; the last two take the two-tile wgmma form at 25..32 rows), three passes.
+#    MUL1; the last two take the two-tile wgmma form at 25..32 rows), two passes; then the whole
+#    GPU suite of the debug build (test_wide_blocks_match_shipped checks variant 61), a third pass,
+#    and the whole suite of the wide-shipped build.
 # 4. Whole-model decode (synthetic Llama-3.1-8B, context 0, CUDA graphs) at batch 32, 24, 16 and 12
 #    under TRELLIS_GV_VARIANT 0 and 61 (61 keeps the shipped rules of which layers take the
 #    block-shared kernel), one process each, alternating; a second pass if time is left.
@@ -20,14 +22,21 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-
 (TRELLIS_NVCC_DEFINES=TRELLIS_SA_WIDE_SHIPPED TRELLIS_DEBUG_VARIANTS=1 TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=6 \
   timeout 300 python3 -c "from engine import ops; ops.extension(); print('wide-shipped build ready')" > $OUT/build_wide.txt 2>&1) &
 export MAX_JOBS=10
-source bench/gpu_common.sh  # the debug build and the whole GPU suite
-for pass in 1 2 3; do
-  [ $(left) -gt 40 ] || break
-  echo "== shipped / variant 61, pass $pass $(el)s" | tee -a $L
+SKIP_GPU_TESTS=1 source bench/gpu_common.sh  # the debug build
+ab() {
+  echo "== shipped / variant 61, pass $1 $(el)s" | tee -a $L
   timeout 90 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
     --shapes 8192x28672 4096x28672 28672x8192 4096x14336 14336x4096 --m 9 12 16 17 24 32 --variants 61 2>&1 \
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
-done
+}
+ab 1
+ab 2
+if [ $(left) -gt 80 ]; then
+  echo "== gpu tests $(el)s" | tee -a $L
+  timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1
+  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
+fi
+[ $(left) -gt 40 ] && ab 3
 wait
 tail -n 1 $OUT/build_wide.txt | tee -a $L
 if [ $(left) -gt 100 ]; then
