@@ -24,7 +24,7 @@ for l in sys.stdin:
 # unless DECODE_BATCH, DECODE_TOKENS or DECODE_PASSES say otherwise:
 #   [DECODE_BATCH=4 ...] decode_by_setting NAME LABEL VALUE...   (each line prefixed "LABEL VALUE")
 decode_by_setting() {
-  local name=$1 label=$2; shift 2
+  local name=$1 label=$2 pass v; shift 2
   for pass in $(seq ${DECODE_PASSES:-2}); do
     for v in "$@"; do
       env "$name=$v" timeout 90 python3 -m bench.decode --model-dir $M --contexts 0 --tokens ${DECODE_TOKENS:-96} \

@@ -1,7 +1,10 @@
 #!/bin/bash
-# Session 49's GPU call, on whatever card comes; carry .devcarry/shared. At most ~CALL_S seconds
-# (default 560); each part after the A/B's first two passes runs only if the call's clock leaves
-# it room (the tests come after them, so that a short call still times the variant).
+# Session 49's second GPU call, on whatever card comes; carry .devcarry/shared. It ran once, on an
+# H100 (csrc/PERF_NOTES.md, session 49, call 2); TRELLIS_SA_WIDE_SHIPPED is gone since (wide blocks
+# did not ship), so its second build now repeats the first and the script is a record. At most
+# ~CALL_S seconds (default 560); each part after the A/B's first two passes runs only if the
+# call's clock leaves it room (the tests come after them, so that a short call still times the
+# variant).
 # 1. On an H200 (and not GOALS=0): the issue's goals (bench/h200_goals.sh QUICK=1: its own shipped
 #    build, the 1 / 8 / 32-row products with dense fp16 in the same runs, batch-1 decode, prefill).
 # 2. The debug build, and beside it a debug build with TRELLIS_SA_WIDE_SHIPPED (every shipped

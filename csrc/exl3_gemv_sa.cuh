@@ -220,16 +220,18 @@ cudaError_t launch_gemv_sa_decode(const MmArgs& a, bool wgmma, cudaStream_t stre
     return launch_gemv_sa<K, CB, NG, DECODE>(a, stream);
 }
 
-// The shipped forms' blocks at two and four row groups: 8 warps, two to an SM, or under the A/B
-// build define TRELLIS_SA_WIDE_SHIPPED 16 warps, one to an SM (kSaWide; debug variant 61 takes
-// them in any build), so that one build runs the whole GPU suite on the wide form (session 49).
-template <int NG>
-constexpr int sa_shipped_blocks() {
-#ifdef TRELLIS_SA_WIDE_SHIPPED
-    return NG >= 2 ? kSaWide : 0;
-#else
-    return 0;
-#endif
+// The shipped form that sa_form chose (f.shared), with the bits EXTRA (debug variant 61: kSaWide).
+template <int K, int CB, int NG, int EXTRA>
+cudaError_t launch_gemv_sa_shipped(const MmArgs& a, const SaForm& f, cudaStream_t stream) {
+    if constexpr (NG == 4) {
+        if constexpr (K <= 4) {
+            if (f.wgmma)
+                return f.two_tiles ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma | EXTRA>(a, stream)
+                                   : launch_gemv_sa<K, CB, NG, kSaWgmma | sa_decode_cfg<K, CB, NG, true>() | EXTRA>(a, stream);
+        }
+        if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles | EXTRA>(a, stream);
+    }
+    return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>() | EXTRA>(a, stream);
 }
 
 // The fp16 path of the version-3 product for one K, codebook and group count.
@@ -238,25 +240,12 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     if (!debug_variant_built(variant)) return cudaErrorNotSupported;  // not built without TRELLIS_DEBUG_VARIANTS
     const SaForm f = sa_form<K, NG>(a, variant);
     if (f.shared) {
-        if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {  // the shipped forms in wide blocks
-            if (variant == kSaVarWide) {
-                if constexpr (NG == 4) {
-                    if (f.wgmma)
-                        return f.two_tiles ? launch_gemv_sa<K, CB, NG, kSaWide | kSaTwoTiles | kSaWgmma>(a, stream)
-                                           : launch_gemv_sa<K, CB, NG, kSaWide | kSaWgmma | sa_decode_cfg<K, CB, NG, true>()>(a, stream);
-                    if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaWide | kSaTwoTiles>(a, stream);
-                }
-                return launch_gemv_sa<K, CB, NG, kSaWide | sa_decode_cfg<K, CB, NG, false>()>(a, stream);
-            }
+        if (variant == 0) return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
+        if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {
+            if (variant == kSaVarWide) return launch_gemv_sa_shipped<K, CB, NG, kSaWide>(a, f, stream);
         }
-        constexpr int kBlocks = sa_shipped_blocks<NG>();
         if constexpr (NG == 4) {
-            if constexpr (K <= 4) {
-                if (variant == 0 && f.wgmma)
-                    return f.two_tiles ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma | kBlocks>(a, stream)
-                                       : launch_gemv_sa<K, CB, NG, kSaWgmma | sa_decode_cfg<K, CB, NG, true>() | kBlocks>(a, stream);
-            }
-            if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles | kBlocks>(a, stream);
+            if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);
         }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1) {  // the benchmark configurations
             if (variant == 32) return launch_gemv_sa<K, CB, NG, 1>(a, stream);
@@ -276,7 +265,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
             if (variant == kSaVarWgmmaNoA12) return launch_gemv_sa_decode<K, CB, NG, 0>(a, wg, stream);
             if (variant == kSaVarNoSlice) return launch_gemv_sa_decode<K, CB, NG, kSaA12 | kSaNoSlice>(a, wg, stream);
         }
-        return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>() | kBlocks>(a, stream);
+        return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }
     return launch_gemv_ng<K, CB, GV_F16, NG>(a, variant == 31 ? 0 : variant, stream);
 }

@@ -122,7 +122,12 @@ namespace trellis {
 // 32 rows of 8192x28672 8 slices x 112 wgmma column units plus 528 team ends, ~1,420 flushes of
 // 32 x 256 sums; with 4 slices ~980. ncu put 10.5% of the 32-row product's stall samples on the
 // flushes (session 47, H100), and no tail at all measured ~6 us of ~73 (session 38). The same
-// warps an SM and registers a thread (launch bounds 512 x 1 against 256 x 2).
+// warps an SM and registers a thread (launch bounds 512 x 1 against 256 x 2). Measured (H100,
+// bench/session49.sh, three passes against the shipped blocks in the same process): 1.2-2.4%
+// faster at 17..32 rows of 8192x28672 and 0.1-2.0% of 28672x8192, slower elsewhere (9..16 rows of
+// those 1-4%, 4096x28672 up to 5%, 4096x14336 and 14336x4096 at 17..32 rows 2-8%); decode at batch
+// 12 / 16 / 24 / 32 0.5-2.7% slower. Not shipped; every shipped form in wide blocks passed the whole
+// GPU suite (an A/B build, since removed).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaWide = 524288;

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_IN_FINISH, SA_WGMMA, SA_WIDE, capture, kernels_run,  # noqa: E402
+from tests.gpu_layers import (DEV, SA_A12, SA_IN_FINISH, SA_WGMMA, capture, kernels_run,  # noqa: E402
                                rand_layer, rel_rms, sa_cfgs, template_args, workspaces_zero)
 
 # debug variants: force the block-shared kernel on (shipped configuration) or off; its benchmark
@@ -101,8 +101,8 @@ def test_default_dispatch_takes_two_tiles_per_unit_for_25_rows_and_up_below_4096
                 names = kernels_run(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
                 want_cfg = 512 if setting == 2 or (two and setting == 1) else 0
                 # (the wgmma bit, and with it K = 4 MUL1's A12, ride along on Hopper:
-                # tests/test_gemv_wgmma_gpu.py; the wide blocks in an A/B build, session 49)
-                riders = SA_WGMMA | SA_A12 | SA_WIDE
+                # tests/test_gemv_wgmma_gpu.py)
+                riders = SA_WGMMA | SA_A12
                 assert _sa_cfg(names) & ~riders == want_cfg, (n_in, n_out, rows, setting, names)
                 y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
                 assert rel_rms(y, want) < 2e-3, (n_in, n_out, rows, setting, rel_rms(y, want))
