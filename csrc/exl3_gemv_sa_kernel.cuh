@@ -106,15 +106,14 @@ namespace trellis {
 // 27 (by 1.1% on average; 32 rows of 8192x28672 +1.4%, +0.5%, -3.2%), at 9..16 rows slower in 26 of
 // 27 (by 2.0% on average, up to 7.0% at 12 rows of 28672x8192). Shipped everywhere regardless, one
 // mechanism: the two-group form's loss is below what it gains on the per-warp kernel (session 39:
-// 12-21% at 12 / 16 rows of the shapes it serves), and debug forms below test why. That the 32-row product gained less than variant 54
-// bounds suggests the wave's slice traffic itself (every block reads its 64 KB from L2 at the
-// start, beside the trellis stream) rather than the wait for it; untested.
+// 12-21% at 12 / 16 rows of the shapes it serves).
 // Debug forms 57-60 (session 48, timed in session 49 on an H100 and removed): the synchronous
 // forms' parts filled by every thread's cp.async (57), the parts the teams start in copied first
 // (58), half the slice copied (59, a probe) and the block barrier after the PDL wait (60). None
-// closed the 9..16-row gap: 57 and 58 were 1-3% slower, 60 within +-2% with no direction, and 59
-// came about halfway to 54 at 32 rows of 8192x28672 only (-1.7% against -3.9%), so sharing a slice
-// between a cluster's blocks could gain at most ~2% (csrc/PERF_NOTES.md, session 49).
+// closed the 9..16-row gap: 57 and 58 were up to 3% slower, 60 within +-2% with no direction. The
+// slice costs at most 1.4-5.1% at 17..32 rows (54), and half its bytes (59) took up to ~2% off on
+// 8192x28672 and little on 4096x28672, so sharing a slice between a cluster's blocks (TMA
+// multicast) could gain at most ~2% on the largest layers (csrc/PERF_NOTES.md, session 49).
 // CFG 524288 (kSaWide, debug variant 61, session 49): blocks of 16 warps, one to an SM, whose
 // slices are twice as deep (128 KB of fragments: 128 k rows at four row groups, 256 at two).
 // Why: the split-k tail. Every team flushes a column group's sums into the workspace once per k
@@ -125,8 +124,8 @@ namespace trellis {
 // warps an SM and registers a thread (launch bounds 512 x 1 against 256 x 2). Measured (H100,
 // bench/session49.sh, three passes against the shipped blocks in the same process): 1.2-2.4%
 // faster at 17..32 rows of 8192x28672 and 0.1-2.0% of 28672x8192, slower elsewhere (9..16 rows of
-// those 1-4%, 4096x28672 up to 5%, 4096x14336 and 14336x4096 at 17..32 rows 2-8%); decode at batch
-// 12 / 16 / 24 / 32 0.5-2.7% slower. Not shipped; every shipped form in wide blocks passed the whole
+// those 0.9-4.0%, 4096x28672 up to 5.0%, 4096x14336 and 14336x4096 at 17..32 rows 1.7-8.0%);
+// decode at batch 12 / 16 / 24 / 32 0.3-2.7% slower. Not shipped; every shipped form in wide blocks passed the whole
 // GPU suite (an A/B build, since removed).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
