@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
-                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_THREE, SA_TWO_TILES, SA_WGMMA,  # noqa: E402
+                               SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -149,6 +149,39 @@ def test_wide_blocks_match_shipped(n_in, n_out):
                 y = run()
             assert cfg == (cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped), (rows, cfg, cfg_shipped)
             assert bool(cfg & SA_WGMMA) == (HOPPER and rows > 16), (rows, cfg)
+            assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
+            assert rel_rms(y, y_shipped) < 1e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 1536), (128, 2048)])
+def test_three_blocks_an_sm_match_shipped(n_in, n_out):
+    """Debug variant 62 (kSaThree): at four row groups (17, 24 and 32 rows) two tiles a unit, and on
+    Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's shared memory
+    (many k slices of uneven length at 14,336 and 8,192 inputs; one chunk of 128 inputs), MUL1's row
+    sums in play: the reference's product, and the shipped form's up to fp32 order. Two row groups
+    (12 rows) keep the shipped form."""
+    ext = ops.extension()
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=62, bias=True)
+    w = fmt.reconstruct(t.trellis, "mul1")
+    try:
+        ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
+        for rows in (12, 17, 24, 32):
+            x = torch.randn(rows, n_in, device=DEV).half()
+            x[:, 9] = 16.0
+            run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
+            (cfg_shipped,) = _sa_cfgs(run)
+            y_shipped = run()
+            with ops.debug_variant(62):
+                (cfg,) = _sa_cfgs(run)
+                y = run()
+            if rows <= 16:
+                want = cfg_shipped
+            else:
+                want = SA_TWO_TILES | (SA_WGMMA | SA_THREE if HOPPER else 0)
+            assert cfg == want, (rows, cfg, cfg_shipped)
             assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
             assert rel_rms(y, y_shipped) < 1e-3, rows
     finally:
