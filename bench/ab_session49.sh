@@ -9,7 +9,7 @@
 #    tiles a unit and the wgmma form three blocks to an SM, 6 warps a scheduler instead of 4, with
 #    smaller slices) at 17, 24 and 32 rows of 8192x28672, 4096x28672, 28672x8192, 4096x14336 and
 #    14336x4096 (K = 4 MUL1), two passes; then the whole GPU suite
-#    (test_three_blocks_an_sm_match_shipped checks variant 62), a third pass.
+#    (test_block_shape_variants_match_shipped checks variants 61 and 62), a third pass.
 # 3. Whole-model decode (synthetic Llama-3.1-8B, context 0, CUDA graphs) at batch 32, 24 and 17
 #    under TRELLIS_GV_VARIANT 0 and 62 (62 keeps the shipped rules of which layers take the
 #    block-shared kernel), one process each, alternating; a second pass if time is left.

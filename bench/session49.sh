@@ -13,7 +13,8 @@
 #    one to an SM, slices twice as deep, so fewer k slices and workspace flushes) at 9, 12, 16, 17,
 #    24 and 32 rows of 8192x28672, 4096x28672, 28672x8192, 4096x14336 and 14336x4096 (K = 4
 #    MUL1; the last two take the two-tile wgmma form at 25..32 rows), two passes; then the whole
-#    GPU suite of the debug build (test_wide_blocks_match_shipped checks variant 61), a third pass,
+#    GPU suite of the debug build (test_wide_blocks_match_shipped, since merged into
+#    test_block_shape_variants_match_shipped, checks variant 61), a third pass,
 #    and the whole suite of the wide-shipped build.
 # 4. Whole-model decode (synthetic Llama-3.1-8B, context 0, CUDA graphs) at batch 32, 24, 16 and 12
 #    under TRELLIS_GV_VARIANT 0 and 61 (61 keeps the shipped rules of which layers take the

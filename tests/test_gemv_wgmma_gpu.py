@@ -125,63 +125,40 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (2048, 1536), (128, 2048)])
-def test_wide_blocks_match_shipped(n_in, n_out):
-    """Debug variant 61 (kSaWide): the shipped forms in blocks of 16 warps, one to an SM, with
-    slices twice as deep. At two and four row groups (12, 24 and 32 rows: synchronous with A12,
-    wgmma at four and two tiles a unit on Hopper), with several k slices of uneven length (14,336
-    inputs), one slice, and one chunk of 128 inputs, MUL1's row sums in play: the reference's
-    product, and the shipped blocks' up to fp32 order. One row group (5 rows) keeps the shipped
-    blocks (a row's chunk sums would span two warps)."""
-    ext = ops.extension()
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
-    w = fmt.reconstruct(t.trellis, "mul1")
-    try:
-        ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
-        for rows in (5, 12, 24, 32):
-            x = torch.randn(rows, n_in, device=DEV).half()
-            x[:, 9] = 16.0
-            run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
-            (cfg_shipped,) = _sa_cfgs(run)
-            y_shipped = run()
-            with ops.debug_variant(61):
-                (cfg,) = _sa_cfgs(run)
-                y = run()
-            assert cfg == (cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped), (rows, cfg, cfg_shipped)
-            assert bool(cfg & SA_WGMMA) == (HOPPER and rows > 16), (rows, cfg)
-            assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
-            assert rel_rms(y, y_shipped) < 1e-3, rows
-    finally:
-        ext.set_gemv_shared_acts(ops.GV_SHARED)
-    assert workspaces_zero()
+def _block_variant_cfg(variant: int, rows: int, cfg_shipped: int) -> int:
+    """The CFG debug variant 61 or 62 takes where the shipped form takes cfg_shipped."""
+    if variant == 61:  # wide blocks at two and four row groups
+        return cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped
+    if rows <= 16:  # 62: four row groups only
+        return cfg_shipped
+    return SA_TWO_TILES | (SA_WGMMA | SA_THREE if HOPPER else 0)
 
 
+@pytest.mark.parametrize("variant", [61, 62])
 @pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 1536), (128, 2048)])
-def test_three_blocks_an_sm_match_shipped(n_in, n_out):
-    """Debug variant 62 (kSaThree): at four row groups (17, 24 and 32 rows) two tiles a unit, and on
-    Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's shared memory
-    (many k slices of uneven length at 14,336 and 8,192 inputs; one chunk of 128 inputs), MUL1's row
-    sums in play: the reference's product, and the shipped form's up to fp32 order. Two row groups
-    (12 rows) keep the shipped form."""
+def test_block_shape_variants_match_shipped(variant, n_in, n_out):
+    """Debug variants 61 (kSaWide: the shipped forms in blocks of 16 warps, one to an SM, slices
+    twice as deep, at two and four row groups) and 62 (kSaThree: at four row groups two tiles a
+    unit, and on Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's
+    shared memory). At 5, 12, 17, 24 and 32 rows, with many k slices of uneven length (14,336 and
+    8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the reference's product,
+    and the shipped form's up to fp32 order. One row group keeps the shipped form under both (a
+    row's chunk sums would span two warps in a wide block), two row groups under 62."""
     ext = ops.extension()
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=62, bias=True)
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
     try:
         ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
-        for rows in (12, 17, 24, 32):
+        for rows in (5, 12, 17, 24, 32):
             x = torch.randn(rows, n_in, device=DEV).half()
             x[:, 9] = 16.0
             run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
             (cfg_shipped,) = _sa_cfgs(run)
             y_shipped = run()
-            with ops.debug_variant(62):
+            with ops.debug_variant(variant):
                 (cfg,) = _sa_cfgs(run)
                 y = run()
-            if rows <= 16:
-                want = cfg_shipped
-            else:
-                want = SA_TWO_TILES | (SA_WGMMA | SA_THREE if HOPPER else 0)
-            assert cfg == want, (rows, cfg, cfg_shipped)
+            assert cfg == _block_variant_cfg(variant, rows, cfg_shipped), (rows, cfg, cfg_shipped)
             assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
             assert rel_rms(y, y_shipped) < 1e-3, rows
     finally:
