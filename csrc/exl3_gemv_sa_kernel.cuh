@@ -145,8 +145,9 @@ struct SaShape {
     // tiles per unit: 16 * NG * CT accumulators
     static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
-    static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;  // a block's
-    static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : CFG & kSaThree ? 3 : 2;  // the grid's blocks per SM
+    // warps a block, and blocks an SM the grid is sized for (and the launch bounds ask)
+    static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;
+    static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : CFG & kSaThree ? 3 : 2;
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
