@@ -26,11 +26,7 @@ ab() {
 }
 ab 1
 ab 2
-if [ $(left) -gt 80 ]; then
-  echo "== gpu tests $(el)s" | tee -a $L
-  timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1
-  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
-fi
+[ $(left) -gt 80 ] && gpu_tests 150 pytest_gpu.txt
 [ $(left) -gt 40 ] && ab 3
 M=/tmp/llama3-8b
 [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L

@@ -1,6 +1,6 @@
 # The start every GPU-machine script shares (sourced by gpu_session.sh, gpu_tune.sh,
 # check_unrun.sh and the ab_*.sh A/Bs): the environment, the log ($OUT/log.txt as $L, seconds
-# since $t0, which `el` prints), the kernel build, the GPU tests (full output in
+# since $t0, which `el` prints), the kernel build, the GPU tests (gpu_tests; full output in
 # $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1; debug variants unless TRELLIS_DEBUG_VARIANTS=0),
 # decode_by_setting (an A/B of one setting on whole-model decode), and $SUM, a one-line-per-row
 # summary of bench.linear's JSON lines (other lines pass through).
@@ -9,10 +9,15 @@ L=$OUT/log.txt
 t0=$(date +%s)
 el() { echo $(( $(date +%s)-t0 )); }
 timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
-if [ -z "$SKIP_GPU_TESTS" ]; then  # SKIP_GPU_TESTS=1: a second call of a session, its tests already run
-  echo "== gpu tests $(( $(date +%s)-t0 ))s" | tee -a $L
-  timeout 300 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/pytest_gpu.txt 2>&1; grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_gpu.txt | head -30 | tee -a $L
-fi
+# The whole GPU suite within TIMEOUT seconds, its output in $OUT/FILE, its failures and count in
+# the log: gpu_tests TIMEOUT FILE [LABEL]  (an A/B build's suite: TRELLIS_NVCC_DEFINES=... gpu_tests ...)
+gpu_tests() {
+  echo "== gpu tests${3:+, $3} $(el)s" | tee -a $L
+  timeout $1 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/$2 2>&1
+  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/$2 | head -30 | tee -a $L
+}
+# SKIP_GPU_TESTS=1: a second call of a session, its tests already run (or a script that runs them later)
+[ -z "$SKIP_GPU_TESTS" ] && gpu_tests 300 pytest_gpu.txt
 SUM='import sys,json
 for l in sys.stdin:
   try: r=json.loads(l)
