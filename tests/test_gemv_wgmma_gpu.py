@@ -126,24 +126,27 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 
 
 def _block_variant_cfg(variant: int, rows: int, cfg_shipped: int) -> int:
-    """The CFG debug variant 61 or 62 takes where the shipped form takes cfg_shipped."""
+    """The CFG debug variant 61, 62 or 63 takes where the shipped form takes cfg_shipped."""
     if variant == 61:  # wide blocks at two and four row groups
         return cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped
-    if rows <= 16:  # 62: four row groups only
+    if rows <= 16:  # 62 and 63: four row groups only
         return cfg_shipped
-    return SA_TWO_TILES | (SA_WGMMA | SA_THREE if HOPPER else 0)
+    if not HOPPER:  # (the synchronous two-tile form)
+        return SA_TWO_TILES
+    return SA_TWO_TILES | SA_WGMMA | SA_THREE | (SA_A12 if variant == 63 else 0)
 
 
-@pytest.mark.parametrize("variant", [61, 62])
+@pytest.mark.parametrize("variant", [61, 62, 63])
 @pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 1536), (128, 2048)])
 def test_block_shape_variants_match_shipped(variant, n_in, n_out):
     """Debug variants 61 (kSaWide: the shipped forms in blocks of 16 warps, one to an SM, slices
-    twice as deep, at two and four row groups) and 62 (kSaThree: at four row groups two tiles a
-    unit, and on Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's
-    shared memory). At 5, 12, 17, 24 and 32 rows, with many k slices of uneven length (14,336 and
-    8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the reference's product,
-    and the shipped form's up to fp32 order. One row group keeps the shipped form under both (a
-    row's chunk sums would span two warps in a wide block), two row groups under 62."""
+    twice as deep, at two and four row groups), 62 (kSaThree: at four row groups two tiles a unit,
+    and on Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's
+    shared memory) and 63 (62 with the states' A masked once, kSaA12). At 5, 12, 17, 24 and 32
+    rows, with many k slices of uneven length (14,336 and 8,192 inputs) and one chunk of 128
+    inputs, MUL1's row sums in play: the reference's product, and the shipped form's up to fp32
+    order. One row group keeps the shipped form under all three (a row's chunk sums would span two
+    warps in a wide block), two row groups under 62 and 63."""
     ext = ops.extension()
     t = rand_layer(n_in, n_out, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
