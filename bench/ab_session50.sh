@@ -1,6 +1,7 @@
 #!/bin/bash
-# Written in session 49 after its device time was spent (as ab_session49.sh, unrun); session 50 added
-# variant 63. For the next GPU call, on whatever card comes; carry .devcarry/shared. At most ~CALL_S
+# A record: ran in session 50 on an H100 (csrc/PERF_NOTES.md); debug variants 62 and 63 are removed
+# since, so it no longer builds what it times. Written in session 49 (as ab_session49.sh, unrun);
+# session 50 added variant 63. Carry .devcarry/shared. At most ~CALL_S
 # seconds (default 560); each part after the A/B's first two passes runs only if the call's clock
 # leaves it room.
 # 1. On an H200 (and not GOALS=0): the goals (bench/h200_goals.sh QUICK=1: its own shipped

@@ -9,17 +9,16 @@ namespace trellis {
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
 // multiple of 8: slices are whole 128-input chunks, since the row sums come a chunk at a time; a
 // block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
-// With the compact setting kGvCompactTwoBlocks, or a form sized for three blocks an SM, what fits in
-// an SM's share of the blocks the grid is sized for (SaShape::BLOCKS_PER_SM; an SM has 100 KB on
-// sm_86/89/120, 164 KB on sm_80, 228 KB on sm_90, where KS fits two blocks).
+// With the compact setting kGvCompactTwoBlocks, what fits in an SM's share of the blocks the grid
+// is sized for (SaShape::BLOCKS_PER_SM; an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90
+// KS fits).
 template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
     const SmemLimits lim = device_smem_limits();
     const int sm_share = lim.per_sm / S::BLOCKS_PER_SM - lim.reserved;
-    const bool share = (S::BLOCKS_PER_SM > 2 || gemv_compact() == kGvCompactTwoBlocks) && lim.per_sm > 0 &&
-                       sm_share < lim.per_block;
-    const int budget = share ? sm_share : lim.per_block;
+    const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
+    const int budget = two ? sm_share : lim.per_block;
     const int fit = (budget / 4 - S::RING_WORDS - S::EXTRA_WORDS) / S::BROW;
     const int ks = (fit < S::KS ? fit : S::KS) & ~7;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
@@ -98,7 +97,7 @@ inline bool segments_start_on(const MmArgs& a, int cols) {
 // - 5..8 rows: faster alone on 4096x6144 and 4096x4096 (13.9 against 17.0 us at 8 rows), yet
 //   decode at batch 8 with those layers on it fell from 2,591-2,595 to 2,198-2,202 tok/s (-15%):
 //   left off. Larger layers lost 5-45% alone.
-// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 61-63 keep these rules
+// Debug variants 30, 32-40, 44-46, 48-50, 53 and 54 force it on (sa_forced), 61 keeps these rules
 // (sa_rules), 31 and the other variants (probes and configurations of the version-3 kernel) off.
 // Segment starts must fall on its column groups.
 constexpr bool sa_forced(int variant) {
@@ -106,9 +105,8 @@ constexpr bool sa_forced(int variant) {
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
-// The variants under which products take the shipped rules (61-63 change only their forms).
-constexpr bool sa_three(int variant) { return variant == kSaVarThree || variant == kSaVarThreeA12; }
-constexpr bool sa_rules(int variant) { return variant == 0 || variant == kSaVarWide || sa_three(variant); }
+// The variants under which products take the shipped rules and forms (61 changes only the blocks).
+constexpr bool sa_rules(int variant) { return variant == 0 || variant == kSaVarWide; }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
     if (!sa_rules(variant) && !sa_forced(variant)) return false;
@@ -195,7 +193,7 @@ SaForm sa_form(const MmArgs& a, int variant) {
     SaForm f;
     f.shared = sa_applies<K, NG>(a, variant);
     if (!f.shared || NG != 4) return f;
-    f.two_tiles = variant == kSaVarTwoTiles || sa_three(variant) || (sa_rules(variant) && sa_two_tiles<K>(a));
+    f.two_tiles = variant == kSaVarTwoTiles || (sa_rules(variant) && sa_two_tiles<K>(a));
     const bool form = sa_rules(variant) || (kDebugVariants && K == 4 && a.codebook == CB_MUL1 && sa_wgmma_variant(variant));
     f.wgmma = form && !sa_unsplit(a) && sa_wgmma<K>(a, f.two_tiles ? 2 : 4);
     return f;
@@ -245,15 +243,6 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
         if (variant == 0) return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {
             if (variant == kSaVarWide) return launch_gemv_sa_shipped<K, CB, NG, kSaWide>(a, f, stream);
-            if (sa_three(variant)) {  // two tiles a unit (sa_form); three blocks an SM in the wgmma form
-                if constexpr (NG == 4) {
-                    if (f.wgmma)
-                        return variant == kSaVarThree
-                                   ? launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma | kSaThree>(a, stream)
-                                   : launch_gemv_sa<K, CB, NG, kSaTwoTiles | kSaWgmma | kSaThree | kSaA12>(a, stream);
-                }
-                return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
-            }
         }
         if constexpr (NG == 4) {
             if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);

@@ -127,18 +127,18 @@ namespace trellis {
 // those 0.9-4.0%, 4096x28672 up to 5.0%, 4096x14336 and 14336x4096 at 17..32 rows 1.7-8.0%);
 // decode at batch 12 / 16 / 24 / 32 0.3-2.7% slower. Not shipped; every shipped form in wide blocks passed the whole
 // GPU suite (an A/B build, since removed).
-// CFG 1048576 (kSaThree, debug variant 62, session 49; unrun): the two-tile wgmma form (80
-// registers a thread) three blocks to an SM instead of two, each with a three-stage ring and what
-// shared memory is left of a third of the SM for its slice (48 k rows at four row groups on an
-// H100). Why: session 49's count of the four-tile wgmma loop (nvdisasm) is 35.5 instructions a
-// tile, ~35 us of issue for 8192x28672 on an H100 against ~60 us of main loop in its 71 us: the
-// schedulers issue on ~60% of the loop's cycles with 4 warps each, and 6 may hide more of a tile's
-// dependent chain (LDS -> states -> IMAD -> IDP4A -> PRMT -> HGMMA). The costs: two tiles a unit
-// (2-7% slower than four at two blocks an SM on the largest layers, session 37) and about twice
-// as many k slices and flushes.
+// Debug variants 62 and 63 (sessions 49-50, removed): the two-tile wgmma form (80 registers a
+// thread) three blocks to an SM, 6 warps a scheduler instead of 4, with three-stage rings and
+// slices cut to a third of the SM (48 k rows), without and with A12. Why: the four-tile wgmma loop
+// issues on ~60% of its cycles (35.5 instructions a tile by nvdisasm; csrc/PERF_NOTES.md, session
+// 49), and more warps might hide more of a tile's dependent chain. Measured (H100, session 50,
+// three passes against shipped in the same process): 8-21% slower at 17..32 rows of 8192x28672,
+// 4096x28672 and 28672x8192, 1-5% slower on 4096x14336, 1-3% faster only on 14336x4096; decode at
+// batch 17 / 24 / 32 4-10% slower. More warps do not pay for two tiles a unit and twice the k
+// slices.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaWide = 524288, kSaThree = 1048576;
+              kSaNoSlice = 16384, kSaWide = 524288;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -147,13 +147,13 @@ struct SaShape {
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
     // warps a block, and blocks an SM the grid is sized for (and the launch bounds ask)
     static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;
-    static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : CFG & kSaThree ? 3 : 2;
+    static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : 2;
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
     static constexpr int KS = 16384 * (WARPS / kGvWarps) / BROW;  // k rows per slice: 64 KB of fragments at most (wide: 128)
     static constexpr int NS_RAW = 1536 / SW;                    // ~6 KB of trellis in flight per warp
-    static constexpr int NS = NS_RAW < 3 || (CFG & kSaThree) ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
+    static constexpr int NS = NS_RAW < 3 ? 3 : (NS_RAW > 8 ? 8 : NS_RAW);
     static constexpr int RING_WORDS = WARPS * NS * SW;
     // the slice's parts, each on an mbarrier of its own (whole 128-input chunks: 8 k rows or a
     // power-of-two multiple)
@@ -192,7 +192,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr bool kPx = (CFG & kSaProducts) && K == 4 && RAW && !kTcSum;
     constexpr bool WG = (CFG & kSaWgmma) != 0;
     static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
-    static_assert(!(CFG & kSaThree) || (WG && (CFG & kSaTwoTiles)), "three blocks an SM: the two-tile wgmma form's registers only");
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
     // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
     constexpr int kThreads = S::WARPS * 32;

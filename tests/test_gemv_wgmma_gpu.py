@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_THREE, SA_TWO_TILES, SA_WGMMA,  # noqa: E402
-                               SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
+                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -125,30 +125,15 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
     assert workspaces_zero()
 
 
-def _block_variant_cfg(variant: int, rows: int, cfg_shipped: int) -> int:
-    """The CFG debug variant 61, 62 or 63 takes where the shipped form takes cfg_shipped."""
-    if variant == 61:  # wide blocks at two and four row groups
-        return cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped
-    if rows <= 16:  # 62 and 63: four row groups only
-        return cfg_shipped
-    if not HOPPER:  # (the synchronous two-tile form)
-        return SA_TWO_TILES
-    return SA_TWO_TILES | SA_WGMMA | SA_THREE | (SA_A12 if variant == 63 else 0)
-
-
-@pytest.mark.parametrize("variant", [61, 62, 63])
 @pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 1536), (128, 2048)])
-def test_block_shape_variants_match_shipped(variant, n_in, n_out):
-    """Debug variants 61 (kSaWide: the shipped forms in blocks of 16 warps, one to an SM, slices
-    twice as deep, at two and four row groups), 62 (kSaThree: at four row groups two tiles a unit,
-    and on Hopper the wgmma form three blocks to an SM with slices cut to a third of the SM's
-    shared memory) and 63 (62 with the states' A masked once, kSaA12). At 5, 12, 17, 24 and 32
-    rows, with many k slices of uneven length (14,336 and 8,192 inputs) and one chunk of 128
-    inputs, MUL1's row sums in play: the reference's product, and the shipped form's up to fp32
-    order. One row group keeps the shipped form under all three (a row's chunk sums would span two
-    warps in a wide block), two row groups under 62 and 63."""
+def test_wide_blocks_match_shipped(n_in, n_out):
+    """Debug variant 61 (kSaWide): the shipped forms in blocks of 16 warps, one to an SM, with
+    slices twice as deep, at two and four row groups (12, 17, 24 and 32 rows), with many k slices
+    of uneven length (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in
+    play: the reference's product, and the shipped form's up to fp32 order. One row group (5 rows)
+    keeps the shipped form (a row's chunk sums would span two warps in a wide block)."""
     ext = ops.extension()
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=variant, bias=True)
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
     try:
         ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
@@ -158,10 +143,11 @@ def test_block_shape_variants_match_shipped(variant, n_in, n_out):
             run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
             (cfg_shipped,) = _sa_cfgs(run)
             y_shipped = run()
-            with ops.debug_variant(variant):
+            with ops.debug_variant(61):
                 (cfg,) = _sa_cfgs(run)
                 y = run()
-            assert cfg == _block_variant_cfg(variant, rows, cfg_shipped), (rows, cfg, cfg_shipped)
+            assert cfg == (cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped), (rows, cfg, cfg_shipped)
+            assert bool(cfg & SA_WGMMA) == (HOPPER and rows > 16), (rows, cfg)
             assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
             assert rel_rms(y, y_shipped) < 1e-3, rows
     finally:
