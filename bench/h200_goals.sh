@@ -13,7 +13,9 @@
 #   ($OUT/ncu_src.csv). QUICK=1 stops after the prefill (no probe, no ncu: ~100 s less).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
-export TRELLIS_DEBUG_VARIANTS=0 SKIP_GPU_TESTS=1  # gpu_common.sh then builds the shipped kernels alone, runs no tests
+# gpu_common.sh then builds the shipped kernels alone and runs no tests; a caller that wants the
+# debug build afterwards may pass TRELLIS_DEBUG_VARIANTS=1 (variant 0 is the same shipped code).
+export TRELLIS_DEBUG_VARIANTS=${TRELLIS_DEBUG_VARIANTS:-0} SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
 echo "== goal products $(el)s" | tee -a $L
 for p in 1 2; do
