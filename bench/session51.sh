@@ -10,14 +10,15 @@
 #    (51.7 against the shipped kernel's 54.7 us at 8 rows, before the slice in parts and A12).
 #    K = 4 MUL1, two passes, more if the call's clock allows. Ran once (call 4, an H100): 6-23%
 #    slower than the per-warp kernel at every shape (csrc/PERF_NOTES.md, session 51).
-# `bash bench/session51.sh a12` runs, after 1., debug variant 8 instead of 2.: the per-warp
-# kernels with K = 4's states taken with A masked once (lane_states_k4's A12), which on the fp16
-# path (5..16 rows where the block-shared kernel does not serve) is all it changes; the integer
-# path (1..4 rows) reads its words by shared loads under it instead of ldmatrix. Why: session 32
-# measured it 0.9-2.9% faster at 8 rows on an H100 (csrc/PERF_NOTES.md, session 32), and the
-# fp16 path never took it; the 8-row goal is the furthest from its figure. Then whole-model
-# decode at batch 8 under TRELLIS_GV_VARIANT 0 and 8 (one process each, alternating). At 12 and
-# 16 rows the largest layers take the block-shared kernel as shipped and the per-warp one under 8.
+# `bash bench/session51.sh a12` runs, after 1., this instead of 2.: the per-warp fp16 path now
+# takes K = 4's states with A masked once (lane_states_k4's A12, kF16A12); debug variant 64 keeps
+# the form before (two masks). Why: session 32 measured A12 there 0.9-2.9% faster at 8 rows on an
+# H100 (debug variant 8, csrc/PERF_NOTES.md), and the fp16 path never took it; the 8-row goal is
+# the furthest from its figure. The shipped product against 64 at 1..16 rows (at 1 row the
+# integer path, the same kernel under both: a control; at 12 and 16 rows the largest layers take
+# the block-shared kernel as shipped and the per-warp one under 64), two passes; the whole GPU
+# suite (test_decode_forms_give_the_same_product runs 64 and 8 on the fp16 path); whole-model
+# decode at batch 8 under TRELLIS_GV_VARIANT 0 and 64 (one process each, alternating).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-480} - ($(date +%s) - t_call) )); }
@@ -31,24 +32,23 @@ ab() {
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 }
 if [ "$1" = a12 ]; then
-  ab8() {
-    echo "== shipped / variant 8 (A12), pass $1 $(el)s" | tee -a $L
+  ab64() {
+    echo "== shipped (A12 on the fp16 path) / variant 64 (without), pass $1 $(el)s" | tee -a $L
     timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
-      --shapes 8192x28672 4096x28672 14336x4096 4096x14336 4096x4096 4096x6144 --m 1 5 8 12 16 --variants 8 2>&1 \
+      --shapes 8192x28672 4096x28672 14336x4096 4096x14336 4096x4096 4096x6144 --m 1 5 8 12 16 --variants 64 2>&1 \
       | python3 -c "$SUM" | grep -v '^{' | tee -a $L
   }
-  ab8 1
-  ab8 2
+  ab64 1
+  ab64 2
+  [ $(left) -gt 150 ] && gpu_tests 140 pytest_gpu.txt
   M=/tmp/llama3-8b
-  [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
+  [ $(left) -gt 120 ] && { [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L; }
   for round in 1 2; do
-    for batch in 8; do
-      [ $(left) -gt 70 ] || break 2
-      echo "== decode batch $batch, variant 0 / 8, round $round $(el)s" | tee -a $L
-      DECODE_PASSES=1 DECODE_BATCH=$batch DECODE_TOKENS=48 decode_by_setting TRELLIS_GV_VARIANT variant 0 8
-    done
+    [ $(left) -gt 80 ] || break
+    echo "== decode batch 8, variant 0 / 64, round $round $(el)s" | tee -a $L
+    DECODE_PASSES=1 DECODE_BATCH=8 DECODE_TOKENS=48 decode_by_setting TRELLIS_GV_VARIANT variant 0 64
   done
-  [ $(left) -gt 100 ] && ab8 3
+  [ $(left) -gt 40 ] && ab64 3
 else
   ab 1
   ab 2

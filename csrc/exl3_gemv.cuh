@@ -43,8 +43,9 @@ namespace trellis {
 // A12: the two states that reach into A take A's low 12 bits once (a12 = A & 0xfff) instead of
 // one mask each: state 0 is then the funnel shift of a12 : B alone (nothing above bit 15), state 1
 // one PRMT whose two top bytes are a12's zero byte 2. 10 ALU ops, the same states. Shipped on the
-// integer path since session 32 (through lane_products_k4, with kLdsm); elsewhere debug variants
-// 8 and 39 (39, the block-shared kernel at 32 rows, measured the same as shipped).
+// integer path since session 32 (through lane_products_k4, with kLdsm), in K = 4 MUL1's
+// block-shared forms where sa_decode_cfg says (sessions 45, 48) and on the per-warp fp16 path
+// since session 51 (kF16A12).
 template <bool A12 = false>
 __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t st[8]) {
     const uint32_t V = __funnelshift_r(B, A, 4);  // H >> 4 (low 32 bits)
@@ -538,6 +539,11 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const int lane_before = (lane + 31) & 31;  // wa's lane for K = 4
     // Debug variant 21 (kGvVarTcSum): the fp16 path's MUL1 byte sums by two MMAs a tile, A12's states.
     constexpr bool kTcSum = VAR == kGvVarTcSum && K == 4 && CB == CB_MUL1 && PATH == GV_F16;
+    // The fp16 path's K = 4 states with A masked once (A12, any codebook) since session 51: one ALU
+    // op a tile less on the pipe that is its busiest (ncu, 8 rows: ALU 64%, csrc/PERF_NOTES.md
+    // session 43); session 32 measured it 0.9-2.9% faster at 8 rows on an H100 (debug variant 8)
+    // and session 51 again (PERF_NOTES). Debug variant 64 keeps the form before (two masks).
+    constexpr bool kF16A12 = VAR != kGvVarF16NoA12;
     const Mul1SumSelect tc_select(lane);
     const int g = lane >> 2;
     const int cq = lane & 3;
@@ -757,7 +763,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     if constexpr (VAR == 1) {
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
                     } else {
-                        gv_decode_f16<K, CB, kRawMul1, VAR == kGvVarA12, kTcSum>(gv_smem, tile, wa, wb, wc, shift, v,
+                        gv_decode_f16<K, CB, kRawMul1, kF16A12, kTcSum>(gv_smem, tile, wa, wb, wc, shift, v,
                                                                                   tc_select);
                     }
                     if constexpr (VAR == 2) {
@@ -885,7 +891,8 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 
 // A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
 // form kept for A/Bs that `variant` names where this path has it (debug variants 8 on every path,
-// 22 on the integer one, 21 on MUL1's fp16 one); a form the path lacks runs the shipped kernels.
+// 22 on the integer one, 21 on MUL1's fp16 one, 64 on the fp16 one); a form the path lacks runs
+// the shipped kernels.
 // Decode chains at split finish 5 come here too, so a whole decode step runs the form.
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -899,6 +906,9 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         }
         if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
             if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
+        }
+        if constexpr (PATH == GV_F16) {
+            if (variant == kGvVarF16NoA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarF16NoA12>(a, false, stream);
         }
         if (variant == kGvVarInFinish) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarInFinish>(a, false, stream);
     }
