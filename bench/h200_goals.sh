@@ -10,7 +10,8 @@
 #   tokens; bench/stream_probe.cu (how fast the one-row product's ring reads its trellis with no
 #   decode, against a plain read: on the H200 30.3 us against 27.6, session 37); ncu of the
 #   one-row product (issue, stalls, DRAM) and its stall samples per SASS instruction
-#   ($OUT/ncu_src.csv). QUICK=1 stops after the prefill (no probe, no ncu: ~100 s less).
+#   ($OUT/ncu_src.csv). QUICK=1 stops after the prefill (no probe, no ncu: ~100 s less);
+#   PRODUCTS=1 after the goal products (~80 s with a fresh shipped build, for a short budget).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
 # gpu_common.sh then builds the shipped kernels alone and runs no tests; a caller that wants the
@@ -22,6 +23,7 @@ for p in 1 2; do
   timeout 60 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --paths fused \
     --shapes 8192x28672 --m 1 8 32 2>&1 | grep '"us"' | cut -c1-400 | tee -a $L
 done
+[ "${PRODUCTS:-0}" = 1 ] && { echo "== goal products done $(el)s" | tee -a $L; exit 0; }
 M=/tmp/llama3-8b
 timeout 40 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
 echo "== decode, batch 1 $(el)s" | tee -a $L
