@@ -541,8 +541,9 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     constexpr bool kTcSum = VAR == kGvVarTcSum && K == 4 && CB == CB_MUL1 && PATH == GV_F16;
     // The fp16 path's K = 4 states with A masked once (A12, any codebook) since session 51: one ALU
     // op a tile less on the pipe that is its busiest (ncu, 8 rows: ALU 64%, csrc/PERF_NOTES.md
-    // session 43); session 32 measured it 0.9-2.9% faster at 8 rows on an H100 (debug variant 8)
-    // and session 51 again (PERF_NOTES). Debug variant 64 keeps the form before (two masks).
+    // session 43). On an H100 0.5-3.0% faster at 5..8 rows (8192x28672 at 8 rows 51.0 against 52.6
+    // us), -2.0..+0.9% at 9..16 rows of mid-size layers (session 51; session 32 had 0.9-2.9% at 8
+    // rows). Debug variant 64 keeps the form before (two masks).
     constexpr bool kF16A12 = VAR != kGvVarF16NoA12;
     const Mul1SumSelect tc_select(lane);
     const int g = lane >> 2;
@@ -764,7 +765,7 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                         v[0] = gv_smem[tile + wa]; v[1] = gv_smem[tile + wb]; v[2] = v[0] ^ 0x3c003c00u; v[3] = v[1] ^ 0x3c003c00u;
                     } else {
                         gv_decode_f16<K, CB, kRawMul1, kF16A12, kTcSum>(gv_smem, tile, wa, wb, wc, shift, v,
-                                                                                  tc_select);
+                                                                        tc_select);
                     }
                     if constexpr (VAR == 2) {
                         acc[0][ct][0] += __uint_as_float((v[0] ^ v[1] ^ v[2] ^ v[3]) & 0x00ffffffu);

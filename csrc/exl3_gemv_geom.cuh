@@ -34,7 +34,6 @@ constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12
 // 57-60 (sessions 48-49): other fills of the slice's parts, and a probe with half of them (removed)
 constexpr int kSaVarWide = 61;           // debug: its shipped forms in blocks of 16 warps with slices twice as deep (kSaWide), under the shipped rules
 // 62 and 63 (sessions 49-50): the two-tile wgmma form three blocks an SM, without and with A12 (removed: 8-21% slower on the largest layers)
-constexpr int kGvVarF16NoA12 = 64;       // debug: the per-warp fp16 path's K = 4 states without A12 (shipped until session 51)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;
@@ -54,7 +53,8 @@ inline bool debug_variant_built(int variant) {
 // (gv_in_finish), as every kernel had it until session 38: the baseline of that change, and the
 // form a shipped-schedule product takes when it runs unsplit (gemv_split_finish below its path's
 // setting; debug builds only, a shipped build splits regardless).
-constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47;
+constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47,
+              kGvVarF16NoA12 = 64;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
     return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail ||
            var == kGvVarInFinish || var == kGvVarF16NoA12;
