@@ -19,7 +19,7 @@
 # the block-shared kernel as shipped and the per-warp one under 64), two passes; the whole GPU
 # suite (test_decode_forms_give_the_same_product runs 64 and 8 on the fp16 path); whole-model
 # decode at batch 8 under TRELLIS_GV_VARIANT 0 and 64 (one process each, alternating). Ran once
-# (call 9, an H100): 0.5-3.0% faster at 5..8 rows, decode the same within noise; shipped.
+# (call 5, an H100): 0.5-3.0% faster at 5..8 rows, decode the same within noise; shipped.
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 t_call=$(date +%s)
 left() { echo $(( ${CALL_S:-480} - ($(date +%s) - t_call) )); }
