@@ -14,8 +14,8 @@
 #   PRODUCTS=1 after the goal products (~80 s with a fresh shipped build, for a short budget).
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: stopped" | tee -a $OUT/log.txt; exit 0; fi
-# gpu_common.sh then builds the shipped kernels alone and runs no tests; a caller that wants the
-# debug build afterwards may pass TRELLIS_DEBUG_VARIANTS=1 (variant 0 is the same shipped code).
+# gpu_common.sh runs no tests and by default builds the shipped kernels alone; a caller that wants
+# the debug build afterwards may pass TRELLIS_DEBUG_VARIANTS=1 (its variant 0 is the shipped code).
 export TRELLIS_DEBUG_VARIANTS=${TRELLIS_DEBUG_VARIANTS:-0} SKIP_GPU_TESTS=1
 source bench/gpu_common.sh
 echo "== goal products $(el)s" | tee -a $L
