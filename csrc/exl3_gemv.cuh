@@ -891,15 +891,15 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 }
 
 // A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
-// form kept for A/Bs that `variant` names where this path has it (debug variants 8 on every path,
-// 22 on the integer one, 21 on MUL1's fp16 one, 64 on the fp16 one); a form the path lacks runs
-// the shipped kernels.
+// form kept for A/Bs that `variant` names where this path has it (debug variants 8 and 22 on the
+// integer path, 21 on MUL1's fp16 one, 64 on the fp16 one); a form the path lacks runs the shipped
+// kernels (variant 8's decode on the fp16 path is the shipped one since session 51).
 // Decode chains at split finish 5 come here too, so a whole decode step runs the form.
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
     if constexpr (kDebugVariants && K == 4) {
-        if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
         if constexpr (PATH == GV_I8) {
+            if (variant == kGvVarA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarA12>(a, false, stream);
             if (variant == kGvVarS31) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarS31>(a, false, stream);
             if constexpr (CB == CB_MUL1) {
                 if (variant == kGvVarC0Tail) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarC0Tail>(a, false, stream);

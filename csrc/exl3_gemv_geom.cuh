@@ -40,7 +40,7 @@ inline bool debug_variant_built(int variant) {
 }
 // Debug variant 8 decodes K = 4 with A masked once (lane_states_k4's A12) and the integer path's
 // words by shared loads (on the fp16 path, which takes A12 since session 51, it runs the shipped
-// decode), 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session 31's
+// kernels), 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session 31's
 // integer-path decode (two masks, shared loads; the shipped one reads the words by ldmatrix,
 // kLdsm), 64 the fp16 path's states without A12 (its form until session 51); otherwise they run
 // as the shipped kernels do (configurations, compact ring, split finish), so that an A/B against

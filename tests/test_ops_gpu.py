@@ -174,13 +174,13 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
     """K = 4's decode forms give the same states and byte sums, so the same products: the shipped
     integer path (A12, the previous word's 12 low bits masked once, and the tiles' words by
     ldmatrix and a shuffle: kLdsm); variant 8 (A12 with shared loads; on the fp16 path, which
-    takes A12 since session 51, the shipped decode); 64 (the fp16 path's two masks, its form
+    takes A12 since session 51, the shipped kernels); 64 (the fp16 path's two masks, its form
     before session 51); 22 (session 31's integer-path decode: two masks, shared loads); 21 (MUL1,
     fp16 path: the byte sums by two MMAs a tile instead of an IDP4A a weight, mul1_f16_by_mma). In
-    the shipped configurations (the compact ring, one and four k rows per unit, the split finish): against the
-    reference and the shipped decode (up to fp32 summation order: split-k atomics), the integer
-    path at 1..8 rows (MUL1), the fp16 one at 1..32 (per-warp kernel; variants 39 and 40 are the
-    block-shared one's). Variant 41 adds MUL1's constant term in the integer products' tails, where
+    the shipped configurations (the compact ring, one and four k rows per unit, the split
+    finish): against the reference and the shipped decode (up to fp32 summation order: split-k
+    atomics), the integer path at 1..8 rows (MUL1), the fp16 one at 1..32 (per-warp kernel;
+    variants 39 and 40 are the block-shared one's). Variant 41 adds MUL1's constant term in the integer products' tails, where
     the shipped split finish adds it in the finish kernel (GvC0)."""
     t = rand_layer(n_in, n_out, 4, cb, seed=53, bias=True)
     ref_w = fmt.reconstruct(t.trellis, cb)
