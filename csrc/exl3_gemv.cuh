@@ -905,10 +905,10 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
                 if (variant == kGvVarC0Tail) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarC0Tail>(a, false, stream);
             }
         }
-        if constexpr (CB == CB_MUL1 && PATH == GV_F16) {
-            if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
-        }
         if constexpr (PATH == GV_F16) {
+            if constexpr (CB == CB_MUL1) {
+                if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
+            }
             if (variant == kGvVarF16NoA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarF16NoA12>(a, false, stream);
         }
         if (variant == kGvVarInFinish) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarInFinish>(a, false, stream);
