@@ -1,0 +1,72 @@
+#!/bin/bash
+# Session 52's device call (carry .devcarry/shared; at most ~CALL_S seconds, default 480):
+# 1. On an H200 (and not GOALS=0): the issue's goals (bench/h200_goals.sh QUICK=1, on the debug
+#    build, whose variant 0 is the shipped code); nothing has run on an H200 since session 43.
+# 2. Debug variants 66 / 67 at 32 rows (K = 4 MUL1's four-tile wgmma form, the goal's 32-row
+#    product): each state's raw value alone in a register and two wgmmas a k row and tile, the odd
+#    steps against the slice 16 bytes further on (the prep writes it N-major), so no PRMT packs a
+#    pair (SASS: 132 instructions a k row of 4 tiles against 140). 67 swaps the descriptor's
+#    strides, in case the N-major layout reads them the other way; first their errors against the
+#    reference, then the A/B (two passes), their GPU tests, decode at batch 32 under 0 / 66.
+# 3. Debug variant 65 against the shipped per-warp fp16 kernel at 5 and 8 rows: MUL1's raw decode
+#    with one weight a register, half2(1024 + t, 0) straight from its IDP4A, and two MMAs a tile
+#    (the odd steps against B shifted down a half) instead of a PRMT packing each weight pair. Why:
+#    the 8-row goal (0.35x of fp16 at 8192x28672) is the furthest from its figure; that product
+#    issues on 76% of cycles with the ALU pipe 64% busy and the tensor pipe 13% (ncu, session 43),
+#    and the PRMTs are 4 of its ~45 instructions a tile, all on the ALU pipe (SASS: the CFG 10
+#    loop 1,456 -> 1,368 instructions for 32 tiles). K = 4 MUL1, two passes; the GPU tests of the
+#    decode forms (the new one reads which kernel ran); whole-model decode at batch 8 under
+#    TRELLIS_GV_VARIANT 0 and 65; a third pass and the whole GPU suite if the clock allows.
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
+t_call=$(date +%s)
+left() { echo $(( ${CALL_S:-480} - ($(date +%s) - t_call) )); }
+export TRELLIS_DEBUG_VARIANTS=1
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-1}" = 1 ] && QUICK=1 bash bench/h200_goals.sh
+SKIP_GPU_TESTS=1 source bench/gpu_common.sh  # the debug build (cached when the goals built it)
+ab65() {
+  echo "== shipped / variant 65 (unpacked MUL1 pairs) at 5 and 8 rows, pass $1 $(el)s" | tee -a $L
+  timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
+    --shapes 8192x28672 4096x28672 28672x8192 14336x4096 4096x14336 4096x4096 4096x6144 --m 5 8 --variants 65 2>&1 \
+    | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+}
+echo "== variants 66 / 67: errors against the reference at 32 rows $(el)s" | tee -a $L
+timeout 90 python3 -c '
+import torch
+from engine import ops
+from engine.formats import exl3 as fmt
+from tests.gpu_layers import rand_layer, rel_rms
+t = rand_layer(4096, 28672, 4, "mul1", seed=66, bias=True)
+x = torch.randn(32, 4096, device="cuda").half()
+want = fmt.exl3_matmul_reference(x.float(), t)
+for v in (0, 66, 67):
+    with ops.debug_variant(v):
+        y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+    print("variant", v, "rel_rms", rel_rms(y, want), "finite", bool(torch.isfinite(y).all()))
+' 2>&1 | tail -4 | tee -a $L
+ab66() {
+  echo "== shipped / variants 66, 67 (unpacked wgmma) at 32 rows, pass $1 $(el)s" | tee -a $L
+  timeout 120 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
+    --shapes 8192x28672 4096x28672 28672x8192 8192x14336 --m 32 --variants 66 67 2>&1 \
+    | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+}
+ab66 1
+ab65 1
+ab66 2
+ab65 2
+echo "== gpu tests of the decode forms $(el)s" | tee -a $L
+timeout 150 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_wgmma_gpu.py \
+  -k "unpacked or decode_forms" > $OUT/pytest_forms.txt 2>&1
+grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_forms.txt | head -20 | tee -a $L
+M=/tmp/llama3-8b
+[ $(left) -gt 120 ] && { [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L; }
+for round in 1 2; do
+  [ $(left) -gt 80 ] || break
+  echo "== decode batch 8, variant 0 / 65, round $round $(el)s" | tee -a $L
+  DECODE_PASSES=1 DECODE_BATCH=8 DECODE_TOKENS=48 decode_by_setting TRELLIS_GV_VARIANT variant 0 65
+  [ $(left) -gt 60 ] || break
+  echo "== decode batch 32, variant 0 / 66, round $round $(el)s" | tee -a $L
+  DECODE_PASSES=1 DECODE_BATCH=32 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 66
+done
+[ $(left) -gt 60 ] && { ab66 3; ab65 3; }
+[ $(left) -gt 200 ] && gpu_tests $(( $(left) - 20 )) pytest_gpu.txt
+echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L
