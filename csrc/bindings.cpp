@@ -353,7 +353,6 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
         if (a.version == 3 && !use_i8) {  // the fp16 path: what its product's form wants from the prep
             const int acts = trellis::gemv_f16_acts(a);
             a.acts_wgmma = acts & trellis::kActsWgmma;
-            a.acts_wgmma_mn = acts & trellis::kActsWgmmaMn;
             if (acts & trellis::kActsChunkSums) cs = chunk_sums();
             a.csum = cs;
         }
@@ -363,8 +362,7 @@ torch::Tensor exl3_gemm(torch::Tensor x, torch::Tensor suh, torch::Tensor svh, t
                                              (int)in, trellis::gemv_groups(rows, use_i8), nseg, stream,
                                              up.has_value() && !open_in ? hptr(*up) + r0 * up->stride(0) : nullptr,
                                              up.has_value() ? (int)up->stride(0) : 0, (int)act,
-                                             chunk_norm(norm, r0 * in), xo, uo,
-                                             a.acts_wgmma_mn ? 2 : a.acts_wgmma ? 1 : 0));
+                                             chunk_norm(norm, r0 * in), xo, uo, a.acts_wgmma));
         } else {
             CHECK_CUDA_OK(trellis::prep_x(xr, (int)x.stride(0), hptr(suh), hptr_mut(xh),
                                           use_i8 ? reinterpret_cast<uint32_t*>(sq.data_ptr()) : nullptr,

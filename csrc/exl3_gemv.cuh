@@ -60,28 +60,6 @@ __device__ __forceinline__ void lane_states_k4(uint32_t A, uint32_t B, uint32_t 
     st[0] = A12 ? __funnelshift_r(B, a12, 28) : __funnelshift_r(B, A, 28) & 0xffffu;
 }
 
-// lane_states_k4<true>'s states in two halves, each in the m16n8k16 A fragment's register order
-// (a0..a3: steps 0, 4, 2, 6 and 1, 5, 3, 7), for a kernel that feeds each half to an MMA of its
-// own (debug variant 67's kSaUnpacked): the even steps need A's 12 low bits and the funnel
-// shift, the odd ones B alone and A's 12 low bits once more.
-__device__ __forceinline__ void lane_states_k4_even(uint32_t A, uint32_t B, uint32_t st[4]) {
-    const uint32_t V = __funnelshift_r(B, A, 4);
-    st[0] = __funnelshift_r(B, A & 0xfffu, 28);
-    st[1] = __byte_perm(V, 0u, 0x4421);
-    st[2] = V >> 16;
-    st[3] = V & 0xffffu;
-}
-__device__ __forceinline__ void lane_states_k4_odd(uint32_t A, uint32_t B, uint32_t st[4]) {
-    st[0] = __byte_perm(B, A & 0xfffu, 0x6643);
-    st[1] = __byte_perm(B, 0u, 0x4421);
-    st[2] = B >> 16;
-    st[3] = B & 0xffffu;
-}
-// One state's raw MUL1 value alone in a register: half2(1024 + t, 0), t the byte sum of s *
-// 0x83DCD12D (the accumulator 0x6400 leaves the high half zero, so an MMA that meets it there adds
-// nothing).
-__device__ __forceinline__ uint32_t mul1_raw_alone(uint32_t s) { return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x6400u); }
-
 // lane_states_k4 followed by the MUL1 multiply (x = s * 0x83DCD12D), with one of the four 32-bit
 // windows split on the FMA pipe instead of the ALU pipe. The word B holds two states, hi = B >> 16
 // and lo = B & 0xffff, and lo * M = B * M - (hi * M) << 16 (mod 2^32): the mask becomes one more
@@ -224,22 +202,6 @@ __device__ __forceinline__ void gv_decode_f16(const uint32_t* smem, int tile, in
         for (int q = 0; q < 4; ++q)
             v[q] = RAW ? decode_pair_mul1_raw(st[2 * q], st[2 * q + 1]) : decode_pair<CB>(st[2 * q], st[2 * q + 1]);
     }
-}
-
-// Debug variant 65's tile (kF16Unpacked): A12's states of the lane's words A, B, each state's raw
-// MUL1 value alone in a register, u[j] = half2(1024 + t_j, 0) (the IDP4A's accumulator 0x6400
-// leaves the high half zero), then two MMAs: the even steps (0, 4, 2, 6 in the A fragment's order,
-// as gv_decode_f16's v[0], v[2], v[1], v[3] hold them in their low halves) against the k row's B as
-// loaded, whose odd-k halves meet the zeros, and the odd steps against B shifted down a half
-// (b_odd: the odd k in the low halves). The same sums as one MMA of the packed pairs, in another
-// order, without the PRMT that packs each pair.
-__device__ __forceinline__ void gv_mul1_unpacked_mma(float (&acc)[4], uint32_t A, uint32_t B, uint2 b, uint2 b_odd) {
-    uint32_t st[8], u[8];
-    lane_states_k4<true>(A, B, st);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) u[j] = __dp4a(st[j] * 0x83DCD12Du, 0x01010101u, 0x6400u);
-    mma_16816(acc, u[0], u[4], u[2], u[6], b.x, b.y);
-    mma_16816(acc, u[1], u[5], u[3], u[7], b_odd.x, b_odd.y);
 }
 
 // MUL1's affine step for the fp16 path, applied per output: the k row's B fragment times an A of
@@ -583,13 +545,6 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     // us), -2.0..+0.9% at 9..16 rows of mid-size layers (session 51; session 32 had 0.9-2.9% at 8
     // rows). Debug variant 64 keeps the form before (two masks).
     constexpr bool kF16A12 = VAR != kGvVarF16NoA12;
-    // Debug variant 65: MUL1's raw decode with one weight a register, half2(1024 + t, 0), straight
-    // from its IDP4A (the accumulator 0x6400 leaves the high half zero), and two MMAs a tile: the
-    // even steps against the k row's B as loaded (its odd-k halves meet zeros), the odd steps
-    // against B shifted down a half (gv_mul1_unpacked_mma). Why: the PRMT that packs each pair
-    // (4 a tile, on the ALU pipe, the busiest at 8 rows: ncu, session 43) goes, for one MMA a tile
-    // more (the tensor pipe is 13% busy there) and two shifts a k row shared by the unit's tiles.
-    constexpr bool kF16Unpacked = VAR == kGvVarF16Unpacked && K == 4 && PATH == GV_F16 && CB == CB_MUL1 && NG == 1;
     const Mul1SumSelect tc_select(lane);
     const int g = lane >> 2;
     const int cq = lane & 3;
@@ -802,14 +757,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                     b[gr] = has_b[gr] ? *reinterpret_cast<const uint2*>(gv_smem + ba) : make_uint2(0u, 0u);
                     if constexpr (kRawMul1) gv_mul1_row_sum(sacc[gr], b[gr]);
                 }
-                if constexpr (kF16Unpacked) {
-                    const uint2 b_odd = make_uint2(b[0].x >> 16, b[0].y >> 16);
 #pragma unroll
-                    for (int ct = 0; ct < CT; ++ct)
-                        gv_mul1_unpacked_mma(acc[0][ct], gv_smem[base + ct * TW + wa], gv_smem[base + ct * TW + wb], b[0], b_odd);
-                }
-#pragma unroll
-                for (int ct = 0; ct < (kF16Unpacked ? 0 : CT); ++ct) {
+                for (int ct = 0; ct < CT; ++ct) {
                     const int tile = base + ct * TW;
                     uint32_t v[4];
                     if constexpr (VAR == 1) {
@@ -943,9 +892,8 @@ cudaError_t launch_gemv_shipped(const MmArgs& a, bool one_row, cudaStream_t stre
 
 // A product in the shipped schedule (gv_shipped_schedule): the shipped kernels, or the K = 4 decode
 // form kept for A/Bs that `variant` names where this path has it (debug variants 8 and 22 on the
-// integer path, 21 on MUL1's fp16 one, 65 on its one-group fp16 one, 64 on the fp16 one); a form
-// the path lacks runs the shipped kernels (variant 8's decode on the fp16 path is the shipped one
-// since session 51).
+// integer path, 21 on MUL1's fp16 one, 64 on the fp16 one); a form the path lacks runs the shipped
+// kernels (variant 8's decode on the fp16 path is the shipped one since session 51).
 // Decode chains at split finish 5 come here too, so a whole decode step runs the form.
 template <int K, int CB, int PATH, int NG>
 cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stream) {
@@ -960,10 +908,6 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
         if constexpr (PATH == GV_F16) {
             if constexpr (CB == CB_MUL1) {
                 if (variant == kGvVarTcSum) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarTcSum>(a, false, stream);
-                if constexpr (NG == 1) {
-                    if (variant == kGvVarF16Unpacked)
-                        return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarF16Unpacked>(a, false, stream);
-                }
             }
             if (variant == kGvVarF16NoA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarF16NoA12>(a, false, stream);
         }

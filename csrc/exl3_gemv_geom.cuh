@@ -34,8 +34,9 @@ constexpr int kSaVarNoSlice = 54;        // debug probe (wrong results): its A12
 // 57-60 (sessions 48-49): other fills of the slice's parts, and a probe with half of them (removed)
 constexpr int kSaVarWide = 61;           // debug: its shipped forms in blocks of 16 warps with slices twice as deep (kSaWide), under the shipped rules
 // 62 and 63 (sessions 49-50): the two-tile wgmma form three blocks an SM, without and with A12 (removed: 8-21% slower on the largest layers)
-constexpr int kSaVarUnpacked = 66;       // debug: its four-tile wgmma form at 32 rows with MUL1's values one a register, two wgmmas a k row (kSaUnpacked)
-constexpr int kSaVarUnpackedSwap = 67;   // debug: the same with the descriptor's strides swapped (kSaDescSwap)
+// 65-67 (session 52): MUL1's raw values one a register (no PRMT packs a pair) and two MMAs a tile on the per-warp fp16 path (65),
+// two wgmmas a k row against an N-major slice in the four-tile wgmma form at 32 rows (66; 67 its strides swapped, wrong results);
+// removed: 5-7% and 20-26% slower on the H200 (csrc/PERF_NOTES.md, session 52; the code is in b5ba4ef)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;
@@ -44,10 +45,9 @@ inline bool debug_variant_built(int variant) {
 // words by shared loads (on the fp16 path, which takes A12 since session 51, it runs the shipped
 // kernels), 21 takes MUL1's byte sums by MMAs on the fp16 path (kTcSum), 22 is session 31's
 // integer-path decode (two masks, shared loads; the shipped one reads the words by ldmatrix,
-// kLdsm), 64 the fp16 path's states without A12 (its form until session 51), 65 its MUL1 raw
-// decode (one row group) with a weight a register and two MMAs a tile (kF16Unpacked in
-// exl3_gemv.cuh, session 52); otherwise they run as the shipped kernels do (configurations,
-// compact ring, split finish), so that an A/B against variant 0 times the decode alone.
+// kLdsm), 64 the fp16 path's states without A12 (its form until session 51); otherwise they run
+// as the shipped kernels do (configurations, compact ring, split finish), so that an A/B against
+// variant 0 times the decode alone.
 // Debug variant 41 keeps the shipped schedule with MUL1's constant term where it was until session
 // 36: added by the integer-path product's warp that holds a column group's k row 0, which gathers
 // the input's chunk sums at its flush, on the product's tail (now the finish kernel does, GvC0).
@@ -57,10 +57,10 @@ inline bool debug_variant_built(int variant) {
 // form a shipped-schedule product takes when it runs unsplit (gemv_split_finish below its path's
 // setting; debug builds only, a shipped build splits regardless).
 constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47,
-              kGvVarF16NoA12 = 64, kGvVarF16Unpacked = 65;
+              kGvVarF16NoA12 = 64;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
     return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail ||
-           var == kGvVarInFinish || var == kGvVarF16NoA12 || var == kGvVarF16Unpacked;
+           var == kGvVarInFinish || var == kGvVarF16NoA12;
 }
 // Whether a per-warp kernel has its warps' output stage (the warp that completes a 128-column block
 // transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug

@@ -105,11 +105,8 @@ constexpr bool sa_forced(int variant) {
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
-// The variants under which products take the shipped rules and forms (61 changes only the blocks,
-// 66 and 67 the four-tile wgmma form at 32 rows of K = 4 MUL1).
-constexpr bool sa_rules(int variant) {
-    return variant == 0 || variant == kSaVarWide || variant == kSaVarUnpacked || variant == kSaVarUnpackedSwap;
-}
+// The variants under which products take the shipped rules and forms (61 changes only the blocks).
+constexpr bool sa_rules(int variant) { return variant == 0 || variant == kSaVarWide; }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
     if (!sa_rules(variant) && !sa_forced(variant)) return false;
@@ -135,8 +132,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     if (sa_slice_rows<K, NG, CFG>(a.in / 16) < S::KR) return cudaErrorInvalidValue;
     // The prep wrote the activations in this form's layout, and MUL1's chunk sums (gemv_f16_acts)
     constexpr bool kRaw = CB == CB_MUL1 && !(CFG & kSaAffine);
-    if (a.acts_wgmma != ((CFG & kSaWgmma) != 0) || a.acts_wgmma_mn != ((CFG & kSaUnpacked) != 0) || (kRaw && !a.csum))
-        return cudaErrorInvalidValue;
+    if (a.acts_wgmma != ((CFG & kSaWgmma) != 0) || (kRaw && !a.csum)) return cudaErrorInvalidValue;
     const SaGrid gd = sa_grid<K, NG, CFG>(a);
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
@@ -187,7 +183,6 @@ bool sa_wgmma(const MmArgs& a, int ct) {
 // 54) at four tiles; never unsplit (a debug setting whose warps' output stage it lacks).
 struct SaForm {
     bool shared = false, two_tiles = false, wgmma = false;
-    bool wgmma_mn = false;  // debug variants 66 / 67: the four-tile wgmma form unpacked (kSaUnpacked)
 };
 constexpr bool sa_wgmma_variant(int variant) {
     return variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 || variant == kSaVarWgmmaProducts ||
@@ -201,10 +196,6 @@ SaForm sa_form(const MmArgs& a, int variant) {
     f.two_tiles = variant == kSaVarTwoTiles || (sa_rules(variant) && sa_two_tiles<K>(a));
     const bool form = sa_rules(variant) || (kDebugVariants && K == 4 && a.codebook == CB_MUL1 && sa_wgmma_variant(variant));
     f.wgmma = form && !sa_unsplit(a) && sa_wgmma<K>(a, f.two_tiles ? 2 : 4);
-    // 32 rows only: the odd steps' descriptor reads one row of x past each group block, which
-    // must be finite (rows past m are whatever the prep's buffer held)
-    f.wgmma_mn = kDebugVariants && K == 4 && a.codebook == CB_MUL1 && f.wgmma && !f.two_tiles && a.m == 32 &&
-                 (variant == kSaVarUnpacked || variant == kSaVarUnpackedSwap);
     return f;
 }
 
@@ -250,15 +241,6 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
     const SaForm f = sa_form<K, NG>(a, variant);
     if (f.shared) {
         if (variant == 0) return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
-        if (variant == kSaVarUnpacked || variant == kSaVarUnpackedSwap) {
-            if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG == 4) {
-                if (f.wgmma_mn)
-                    return variant == kSaVarUnpacked
-                               ? launch_gemv_sa<K, CB, NG, kSaWgmma | kSaA12 | kSaUnpacked>(a, stream)
-                               : launch_gemv_sa<K, CB, NG, kSaWgmma | kSaA12 | kSaUnpacked | kSaDescSwap>(a, stream);
-            }
-            return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
-        }
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {
             if (variant == kSaVarWide) return launch_gemv_sa_shipped<K, CB, NG, kSaWide>(a, f, stream);
         }
@@ -285,8 +267,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
         }
         return launch_gemv_sa<K, CB, NG, sa_decode_cfg<K, CB, NG, false>()>(a, stream);
     }
-    const bool shipped = variant == 31 || variant == kSaVarUnpacked || variant == kSaVarUnpackedSwap;
-    return launch_gemv_ng<K, CB, GV_F16, NG>(a, shipped ? 0 : variant, stream);
+    return launch_gemv_ng<K, CB, GV_F16, NG>(a, variant == 31 ? 0 : variant, stream);
 }
 
 // MUL1's products of one K as explicit instantiations (PREFIX extern: declared only), so that a K

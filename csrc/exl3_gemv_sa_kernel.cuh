@@ -138,7 +138,7 @@ namespace trellis {
 // slices.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaWide = 524288, kSaUnpacked = 1048576, kSaDescSwap = 2097152;
+              kSaNoSlice = 16384, kSaWide = 524288;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -158,12 +158,9 @@ struct SaShape {
     // the slice's parts, each on an mbarrier of its own (whole 128-input chunks: 8 k rows or a
     // power-of-two multiple)
     static constexpr int PARTS = 8 * (WARPS / kGvWarps);
-    // kSaUnpacked: 16 zero bytes after the slice's last k row, which the odd steps' descriptor
-    // reaches (one row past each 256-byte group block; the rest lie in the slice)
-    static constexpr int PAD_WORDS = CFG & kSaUnpacked ? 4 : 0;
     // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
     // the row sums' one
-    static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1) + PAD_WORDS;
+    static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -195,18 +192,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr bool kPx = (CFG & kSaProducts) && K == 4 && RAW && !kTcSum;
     constexpr bool WG = (CFG & kSaWgmma) != 0;
     static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
-    // Debug variants 66 / 67 (kSaUnpacked, session 52): the wgmma form with MUL1's raw values one a
-    // register, half2(1024 + t, 0) straight from the IDP4A (no PRMT packs a pair: 4 ALU ops a tile
-    // less), in two wgmmas a k row and tile: the even steps against the slice, the odd ones against
-    // the slice one k further on. The prep writes the slice N-major (kActsWgmmaMn: each 16-byte row
-    // of a core matrix is one k of the group's 8 rows of x), so that 16 bytes further is one k
-    // further; the odd k that meet the even steps' zero halves, and the one row past each group
-    // block, are read but add nothing (finite there: 32 rows, the next block or kSaUnpacked's
-    // zeroed pad). Each half of a k row fills one A register set, so the form keeps the shipped
-    // one's 32 A registers. kSaDescSwap (67): the descriptor's two strides swapped, in case the
-    // N-major layout reads them the other way round.
-    constexpr bool kUnp = (CFG & kSaUnpacked) != 0;
-    static_assert(!kUnp || (WG && K == 4 && RAW && !kTcSum && !kPx), "unpacked: K = 4 MUL1's raw wgmma form");
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
     // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
     constexpr int kThreads = S::WARPS * 32;
@@ -241,12 +226,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int n_units = (int)(u1 - u0);
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
-    const int slice_end = ks * BROW + S::PAD_WORDS;
-    const int ring = slice_end + warp * NS * SW;
-    float* row_sums = reinterpret_cast<float*>(sa_smem + slice_end + S::RING_WORDS);  // [32], RAW
+    const int ring = ks * BROW + warp * NS * SW;
+    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
     const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
-    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + slice_end + S::RING_WORDS + 32));
+    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ks * BROW + S::RING_WORDS + 32));
 
     // The slice in parts of 8 << part_shift k rows (at most PARTS), each copied in bulk by thread 0
     // and counted on its mbarrier; the row sums on one more (kSumsBar), which every thread
@@ -268,11 +252,6 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr int kSumsBar = S::PARTS;
     if constexpr (kParts) {
         if (threadIdx.x == 0) {
-            if constexpr (kUnp) {
-#pragma unroll
-                for (int w = 0; w < 4; ++w) sa_smem[nr * BROW + w] = 0u;
-                wg_fence_smem_writes();
-            }
             for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, 1);
             if (RAW) mbar_init(bars + 8 * kSumsBar, kThreads);
             mbar_init_fence();
@@ -407,48 +386,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
         issue(s + NS - 1);
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
-        if constexpr (kUnp) {
-            constexpr uint32_t kLbo = CFG & kSaDescSwap ? 256 : 128, kSbo = CFG & kSaDescSwap ? 128 : 256;
-#pragma unroll
-            for (int kr = 0; kr < KR; ++kr) {
-                uint32_t wA[CT], wB[CT];
-#pragma unroll
-                for (int ct = 0; ct < CT; ++ct) {
-                    const int tile = stage + (kr * CT + ct) * TW;
-                    wA[ct] = sa_smem[tile + wa];
-                    wB[ct] = sa_smem[tile + wb];
-                    uint32_t st[4];
-                    lane_states_k4_even(wA[ct], wB[ct], st);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) a_wg[0][ct][q] = mul1_raw_alone(st[q]);
-                }
-                if (kr == 0) {
-                    wait_part(c_row - r0);  // (a unit's k rows are in one part)
-                    if (c_row - r0 + KR < nr) wait_part(c_row - r0 + KR);  // the odd steps' one row past
-                }
-                const uint64_t desc = wg_smem_desc(acts_sa + (uint32_t)((c_row + kr - r0) * BROW * 4), kLbo, kSbo);
-                wg_fence();
-#pragma unroll
-                for (int ct = 0; ct < CT; ++ct)
-                    wgmma_rs_n32<1>(acc[0][ct], acc[1][ct], acc[2][ct], acc[3][ct], a_wg[0][ct], desc, kr == 0 ? wg_scale : 1);
-                wg_commit();
-                wg_wait<1>();  // the odd half before: its A registers are this half's next
-#pragma unroll
-                for (int ct = 0; ct < CT; ++ct) {
-                    uint32_t st[4];
-                    lane_states_k4_odd(wA[ct], wB[ct], st);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) a_wg[1][ct][q] = mul1_raw_alone(st[q]);
-                }
-                wg_fence();
-#pragma unroll
-                for (int ct = 0; ct < CT; ++ct)
-                    wgmma_rs_n32<1>(acc[0][ct], acc[1][ct], acc[2][ct], acc[3][ct], a_wg[1][ct], desc + 1, 1);
-                wg_commit();
-                wg_wait<1>();  // the even half: its A registers are the next k row's
-            }
-            wg_scale = 1;
-        } else if constexpr (WG) {
+        if constexpr (WG) {
 #pragma unroll
             for (int kr = 0; kr < KR; ++kr) {
                 uint32_t(&av)[CT][4] = a_wg[kr & 1];

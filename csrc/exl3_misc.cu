@@ -111,14 +111,12 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 //        group r / 4.
 // OPEN: x (and up) are the open sums of the product before (PrepInput::xo, uo; kernels.h).
 // PRE: x is normed on its own before the residual add and the norm (pre, PrepNorm::pre).
-// F16 with wg 1 (ng = 4): a group's word w = 2 lane + kk / 8 goes to lane + 32 (kk / 8) instead, wgmma's
-// K-major core matrices (exl3_gemv_sa_kernel.cuh); with wg 2 (debug variants 66 / 67, kActsWgmmaMn)
-// N-major ones instead: half kk * 8 + r % 8 of the group's 64 words; with csum, each chunk's sum of
-// xh too.
+// F16 with wg (ng = 4): a group's word w = 2 lane + kk / 8 goes to lane + 32 (kk / 8) instead, wgmma's
+// K-major core matrices (exl3_gemv_sa_kernel.cuh); with csum, each chunk's sum of xh too.
 template <bool OPEN, bool PRE = false>
 __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh,
                                  uint32_t* __restrict__ xb, float2* __restrict__ scales,
-                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre, int wg) {
+                                 float* __restrict__ csum, int rows, int in, int ng, const PreNorm pre, bool wg) {
     pdl_launch_dependents();  // the product after it may start fetching its trellis
     const int lane = threadIdx.x & 31;
     const int nch = in >> 7;
@@ -154,15 +152,8 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
     const int kk0 = k & 15;  // even; this lane's 4 values are kk0 .. kk0+3 (within one k row)
     if (!scales) {
         const size_t fb = ((size_t)i * ng + (r >> 3)) * 64;
-        if (wg == 2) {
-            half* hb = reinterpret_cast<half*>(xb + fb) + (r & 7);
-            hb[(kk0 + 0) * 8] = __low2half(o0);
-            hb[(kk0 + 1) * 8] = __high2half(o0);
-            hb[(kk0 + 2) * 8] = __low2half(o1);
-            hb[(kk0 + 3) * 8] = __high2half(o1);
-        }
 #pragma unroll
-        for (int p = 0; p < 2 && wg != 2; ++p) {
+        for (int p = 0; p < 2; ++p) {
             const int kk = kk0 + 2 * p;
             const int fl = (r & 7) * 4 + ((kk & 7) >> 1);
             xb[fb + (wg ? fl + 32 * (kk >> 3) : 2 * fl + (kk >> 3))] = as_u32(p ? o1 : o0);
@@ -180,9 +171,9 @@ __global__ void prep_frag_kernel(const PrepInput x, const half* __restrict__ suh
 cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, float2* scales,
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
                       const half* up, int ldu, int act, const PrepNorm& norm, const OpenSums& xo,
-                      const OpenSums& uo, int wgmma_layout) {
+                      const OpenSums& uo, bool wgmma_layout) {
     if (in % 128 || rows < 1 || nseg < 1 || nseg > 4 || act < 0 || act > 2) return cudaErrorInvalidValue;
-    if (wgmma_layout < 0 || wgmma_layout > 2 || (wgmma_layout && (scales || ng != 4))) return cudaErrorInvalidValue;
+    if (wgmma_layout && (scales || ng != 4)) return cudaErrorInvalidValue;
     const bool gated = up || uo.z;
     if (norm.w && (gated || (norm.residual && !norm.residual_out))) return cudaErrorInvalidValue;
     if ((xo.z && !xo.svh) || (uo.z && (!uo.svh || !xo.z))) return cudaErrorInvalidValue;
@@ -315,8 +306,7 @@ int gemv_f16_acts(const MmArgs& a) {
         const int ng = gemv_groups(a.m, false);
         return ng == 4 ? sa_form<kK, 4>(a, v) : ng == 2 ? sa_form<kK, 2>(a, v) : sa_form<kK, 1>(a, v);
     });
-    return (f.shared && a.codebook == CB_MUL1 ? kActsChunkSums : 0) | (f.wgmma ? kActsWgmma : 0) |
-           (f.wgmma_mn ? kActsWgmmaMn : 0);
+    return (f.shared && a.codebook == CB_MUL1 ? kActsChunkSums : 0) | (f.wgmma ? kActsWgmma : 0);
 }
 
 bool gemv_self_prep(const MmArgs& a) {

@@ -87,7 +87,6 @@ struct MmArgs {
     const float* csum = nullptr;    // [m, in/128] sum of xh over each 128-chunk (integer path; fp16: gemv_f16_acts)
     const uint32_t* xb = nullptr;   // version 3: activations in MMA fragment order (prep_frag)
     bool acts_wgmma = false;        // fp16 path: xb in wgmma's layout (gemv_f16_acts)
-    bool acts_wgmma_mn = false;     // the same, N-major (debug variants 66 / 67, kActsWgmmaMn)
     int version = 3;                // 3: persistent-warp kernel (exl3_gemv.cuh), 2: exl3_mm.cuh
     // Version 3 with y set: the kernel also applies the output transform (had128, svh, bias),
     // writes y [m, out] (row stride ldy) and leaves z and counters zeroed. counters: int32
@@ -144,8 +143,8 @@ cudaError_t prep_x(const half* x, int ldx, const half* suh, half* xh, uint32_t* 
 // scales/csum non-null (MUL1 integer path, rows <= 8): two int8 passes of xh per 128-chunk, each
 // value repeated in 4 bytes, fragment groups of 4 rows (ng = 1 or 2), plus the steps and chunk
 // sums; otherwise fp16 fragments in groups of 8 rows (ng = 1, 2 or 4), with csum non-null the
-// chunk sums too, and with wgmma_layout (ng = 4) each group's words in wgmma's core-matrix order,
-// 1 K-major, 2 N-major (gemv_f16_acts says which a product wants).
+// chunk sums too, and with wgmma_layout (ng = 4) each group's words in wgmma's core-matrix order
+// (gemv_f16_acts says which a product wants).
 // nseg > 1 (grouped product): suh is [nseg, in] and segment s writes its own xb (and scales,
 // csum) series right after segment s - 1's, in one launch.
 // up != nullptr: the input is act(x) * up (act 0 SiLU, 1 GELU tanh, 2 GELU erf), rounded as
@@ -160,7 +159,7 @@ cudaError_t prep_frag(const half* x, int ldx, const half* suh, uint32_t* xb, flo
                       float* csum, int rows, int in, int ng, int nseg, cudaStream_t stream,
                       const half* up = nullptr, int ldu = 0, int act = 0,
                       const PrepNorm& norm = PrepNorm{}, const OpenSums& xo = OpenSums{},
-                      const OpenSums& uo = OpenSums{}, int wgmma_layout = 0);
+                      const OpenSums& uo = OpenSums{}, bool wgmma_layout = false);
 
 // Groups of B columns the version-3 kernel uses for m rows (the xb layout depends on it).
 inline int gemv_groups(int m, bool int8) {
@@ -174,10 +173,9 @@ cudaError_t exl3_mm_partial(const MmArgs& args, cudaStream_t stream);
 // What the fp16 path's version-3 product described by `a` (m, in, out, K, codebook, seg_cols,
 // num_sms, and the debug variant) wants from its prep (prep_frag): kActsChunkSums, the chunk sums
 // of xh in csum (the block-shared kernel's MUL1 constant term), kActsWgmma, xb in wgmma's layout
-// (MmArgs::acts_wgmma; the block-shared kernel's wgmma forms), kActsWgmmaMn, with it, N-major
-// (MmArgs::acts_wgmma_mn; debug variants 66 / 67). The dispatch refuses a product
+// (MmArgs::acts_wgmma; the block-shared kernel's wgmma forms). The dispatch refuses a product
 // whose flags differ from its own choice.
-constexpr int kActsChunkSums = 1, kActsWgmma = 2, kActsWgmmaMn = 4;
+constexpr int kActsChunkSums = 1, kActsWgmma = 2;
 int gemv_f16_acts(const MmArgs& a);
 
 // y[rows, n] = fp16(fp16(had128(in) / sqrt(128)) * post) + bias, where `in` is fp32 (z of the

@@ -72,20 +72,17 @@ template <int M>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t a[4], uint64_t desc, int scale_d);
 
 // The m64n32k16 form with D as four quads (the m16n8k16 accumulators of B's column groups), which
-// need not lie together: the block-shared kernel keeps them as acc[group][tile][4]. TB 1: B's core
-// matrices N-major (each 16-byte row 8 columns of one k; the instruction's imm-trans-b), as debug
-// variants 66 and 67 read the slice (kSaUnpacked).
-template <int TB = 0>
+// need not lie together: the block-shared kernel keeps them as acc[group][tile][4].
 __device__ __forceinline__ void wgmma_rs_n32(float (&q0)[4], float (&q1)[4], float (&q2)[4], float (&q3)[4],
                                              const uint32_t a[4], uint64_t desc, int scale_d) {
 #if TRELLIS_WGMMA
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %21, p, 1, 1, %22;\n}\n"
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %21, p, 1, 1, 0;\n}\n"
         : "+f"(q0[0]), "+f"(q0[1]), "+f"(q0[2]), "+f"(q0[3]), "+f"(q1[0]), "+f"(q1[1]), "+f"(q1[2]), "+f"(q1[3]),
           "+f"(q2[0]), "+f"(q2[1]), "+f"(q2[2]), "+f"(q2[3]), "+f"(q3[0]), "+f"(q3[1]), "+f"(q3[2]), "+f"(q3[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
 #else
     __trap();
 #endif

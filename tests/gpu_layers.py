@@ -64,7 +64,6 @@ def template_args(names, kernel: str) -> list[list[str]]:
 # kSaInFinish, kSaWgmma, kSaProducts, kSaWide).
 SA_A12, SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA, SA_PRODUCTS = 64, 128, 512, 2048, 4096, 8192
 SA_WIDE = 524288
-SA_UNPACKED = 1048576  # kSaUnpacked (debug variants 66 / 67)
 
 
 def sa_cfgs(names) -> list[int]:

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_UNPACKED, SA_WGMMA,  # noqa: E402
-                               SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
+                               kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -194,32 +194,4 @@ def test_wgmma_form_needs_whole_warpgroup_units():
                 assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
     finally:
         ext.set_gemv_shared_acts(ops.GV_SHARED)
-    assert workspaces_zero()
-
-
-@pytest.mark.skipif(not HOPPER, reason="the wgmma form runs on compute capability 9.0 with sm_90a code")
-@pytest.mark.parametrize("n_in,n_out", [(4096, 28672), (8192, 14336)])
-def test_unpacked_wgmma_form_gives_the_same_product(n_in, n_out):
-    """Debug variant 66 (kSaUnpacked): K = 4 MUL1's four-tile wgmma form at 32 rows with each
-    state's raw value alone in a register and two wgmmas a k row and tile, the odd steps against
-    the N-major slice 16 bytes further on (prep_frag's layout 2). It gives the reference's product
-    and the shipped form's up to fp32 summation order, with a bias and a large input entry, on
-    layers of several k slices; at 24 rows the variant runs the shipped form. Which form ran is read
-    from the block-shared kernel's CFG in the profiler's names."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=66, bias=True)
-    w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (32, 24):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        x[:, 9] = 20.0
-        y0 = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-        out = {}
-
-        def run():
-            out["y"] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-        with ops.debug_variant(66):
-            cfgs = _sa_cfgs(run)
-        assert len(cfgs) == 1 and bool(cfgs[0] & SA_UNPACKED) == (rows == 32), (rows, cfgs)
-        want = fmt.exl3_matmul_reference(x.float(), t, w)
-        assert rel_rms(out["y"], want) < 2e-3, (rows, rel_rms(out["y"], want))
-        assert rel_rms(out["y"], y0) < 1e-3, rows
     assert workspaces_zero()

@@ -199,34 +199,6 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 28672), (1536, 640)])
-def test_unpacked_mul1_decode_gives_the_same_product(n_in, n_out):
-    """Debug variant 65: the fp16 path's one-group MUL1 raw decode with one weight a register,
-    half2(1024 + t, 0), and two MMAs a tile (the odd steps against B shifted down a half) instead
-    of a PRMT a weight pair. It gives the reference's product and the shipped one's up to fp32
-    summation order at 1..8 rows (the fp16 path: no int8), with a bias; at 12 rows (two groups)
-    the variant runs the shipped kernels (the block-shared one on 4096x28672). Which per-warp kernel ran is read from the profiler's
-    names (exl3_gemv_kernel<K, CB, PATH, NG, VAR, ...>), so a dispatch that fell through to the
-    shipped kernel fails here."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=65, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows in (1, 3, 5, 8, 12):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        y0 = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-        out = {}
-
-        def run():
-            out["y"] = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-        with ops.debug_variant(65):
-            names = kernels_run(run, "exl3_gemv_kernel")
-        variants = {int(a[4]) for a in template_args(names, "exl3_gemv_kernel")}
-        assert variants == {65} if rows <= 8 else 65 not in variants, (rows, names)
-        ref = fmt.exl3_matmul_reference(x.float(), t, ref_w)
-        assert rel_rms(out["y"], ref) < 2e-3, (rows, rel_rms(out["y"], ref))
-        assert rel_rms(out["y"], y0) < 1e-3, rows
-    assert workspaces_zero()
-
-
 def extension_setting(name, setter, default):
     """A fixture that hands a test one of the extension's launch settings and puts the default
     back after it, pass or fail, so no later test runs under a changed setting."""
