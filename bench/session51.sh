@@ -20,12 +20,7 @@
 # suite (test_decode_forms_give_the_same_product runs 64 and 8 on the fp16 path); whole-model
 # decode at batch 8 under TRELLIS_GV_VARIANT 0 and 64 (one process each, alternating). Ran once
 # (call 5, an H100): 0.5-3.0% faster at 5..8 rows, decode the same within noise; shipped.
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
-t_call=$(date +%s)
-left() { echo $(( ${CALL_S:-480} - ($(date +%s) - t_call) )); }
-export TRELLIS_DEBUG_VARIANTS=1
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-1}" = 1 ] && QUICK=1 bash bench/h200_goals.sh
-SKIP_GPU_TESTS=1 source bench/gpu_common.sh  # the debug build (cached when the goals built it)
+source bench/session_start.sh  # the card, left, the goals on an H200, the debug build
 ab() {
   echo "== shipped / variants 30, 39 at 5 and 8 rows, pass $1 $(el)s" | tee -a $L
   timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
@@ -42,8 +37,7 @@ if [ "$1" = a12 ]; then
   ab64 1
   ab64 2
   [ $(left) -gt 150 ] && gpu_tests 140 pytest_gpu.txt
-  M=/tmp/llama3-8b
-  [ $(left) -gt 120 ] && { [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L; }
+  [ $(left) -gt 120 ] && synth_llama
   for round in 1 2; do
     [ $(left) -gt 80 ] || break
     echo "== decode batch 8, variant 0 / 64, round $round $(el)s" | tee -a $L

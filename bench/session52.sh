@@ -23,12 +23,7 @@
 # 388.6 tok/s, prefill 35,882 tok/s; 66 right (67 wrong: the strides are as 66 has them) but
 # 20-26% slower at 32 rows; 65 5-7% slower at 5..8 rows of the large layers; decode at batch 8 /
 # 32 1-3% / 7-9% slower; the 11 GPU tests of the forms passed; no time was left for the suite.
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
-t_call=$(date +%s)
-left() { echo $(( ${CALL_S:-480} - ($(date +%s) - t_call) )); }
-export TRELLIS_DEBUG_VARIANTS=1
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-1}" = 1 ] && QUICK=1 bash bench/h200_goals.sh
-SKIP_GPU_TESTS=1 source bench/gpu_common.sh  # the debug build (cached when the goals built it)
+source bench/session_start.sh  # the card, left, the goals on an H200, the debug build
 ab65() {
   echo "== shipped / variant 65 (unpacked MUL1 pairs) at 5 and 8 rows, pass $1 $(el)s" | tee -a $L
   timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
@@ -63,8 +58,7 @@ echo "== gpu tests of the decode forms $(el)s" | tee -a $L
 timeout $(( $(left) > 150 ? 150 : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_wgmma_gpu.py \
   -k "unpacked or decode_forms" > $OUT/pytest_forms.txt 2>&1
 grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_forms.txt | head -20 | tee -a $L
-M=/tmp/llama3-8b
-[ $(left) -gt 120 ] && { [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L; }
+[ $(left) -gt 120 ] && synth_llama
 for round in 1 2; do
   [ $(left) -gt 80 ] || break
   echo "== decode batch 8, variant 0 / 65, round $round $(el)s" | tee -a $L
