@@ -2,7 +2,8 @@
 # check_unrun.sh and the ab_*.sh A/Bs): the environment, the log ($OUT/log.txt as $L, seconds
 # since $t0, which `el` prints), the kernel build, the GPU tests (gpu_tests; full output in
 # $OUT/pytest_gpu.txt; skipped with SKIP_GPU_TESTS=1; debug variants unless TRELLIS_DEBUG_VARIANTS=0),
-# decode_by_setting (an A/B of one setting on whole-model decode), and $SUM, a one-line-per-row
+# synth_llama (the synthetic model at $M, made once a machine), decode_by_setting (an A/B of one
+# setting on whole-model decode), and $SUM, a one-line-per-row
 # summary of bench.linear's JSON lines (other lines pass through).
 export TRELLIS_DEBUG_VARIANTS=${TRELLIS_DEBUG_VARIANTS:-1} PYTHONUNBUFFERED=1 TRELLIS_SHARED=${TRELLIS_SHARED:-$PWD/.devcarry/shared} TRELLIS_CACHE=/tmp/trellis-cache MAX_JOBS=${MAX_JOBS:-16}
 L=$OUT/log.txt
@@ -24,6 +25,12 @@ for l in sys.stdin:
   except Exception: print(l.strip()); continue
   if "us" in r: print(r["bench"],r.get("variant",""),r["path"],r["shape"],r["codebook"],"m",r["m"],"K",r["K"],"us",r["us"],"fp16",r["fp16_us"],"ratio",r["ratio_vs_fp16"],"ref",r["reference_ratio_vs_fp16"],"GBps",r["trellis_GBps"],"check",r.get("check_rel_rms"))
   else: print(l.strip())'
+# The synthetic 4.0 bpw Llama-3.1-8B model that decode_by_setting reads, made once a machine:
+#   [ $(left) -gt 120 ] && synth_llama
+M=/tmp/llama3-8b
+synth_llama() {
+  [ -d $M ] || timeout 60 python3 -m bench.synth --shape llama3-8b --bits 4 --out $M --device cuda 2>&1 | tail -1 | tee -a $L
+}
 # Whole-model decode (synthetic Llama-3.1-8B shapes at $M, context 0, CUDA graphs) under each value
 # of one environment setting, one process per value, alternating; batch 1, 96 tokens, two passes
 # unless DECODE_BATCH, DECODE_TOKENS or DECODE_PASSES say otherwise:

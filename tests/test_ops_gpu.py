@@ -180,8 +180,8 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
     the shipped configurations (the compact ring, one and four k rows per unit, the split
     finish): against the reference and the shipped decode (up to fp32 summation order: split-k
     atomics), the integer path at 1..8 rows (MUL1), the fp16 one at 1..32 (per-warp kernel;
-    variants 39 and 40 are the block-shared one's). Variant 41 adds MUL1's constant term in the integer products' tails, where
-    the shipped split finish adds it in the finish kernel (GvC0)."""
+    variants 39 and 40 are the block-shared one's). Variant 41 adds MUL1's constant term in the
+    integer products' tails, where the shipped split finish adds it in the finish kernel (GvC0)."""
     t = rand_layer(n_in, n_out, 4, cb, seed=53, bias=True)
     ref_w = fmt.reconstruct(t.trellis, cb)
     cases = [(r, False, v) for r in (1, 5, 8, 12, 32) for v in (8, 64)]
