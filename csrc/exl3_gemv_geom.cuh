@@ -37,6 +37,10 @@ constexpr int kSaVarWide = 61;           // debug: its shipped forms in blocks o
 // 65-67 (session 52): MUL1's raw values one a register (no PRMT packs a pair) and two MMAs a tile on the per-warp fp16 path (65),
 // two wgmmas a k row against an N-major slice in the four-tile wgmma form at 32 rows (66; 67 its strides swapped, wrong results);
 // removed: 5-7% and 20-26% slower on the H200 (csrc/PERF_NOTES.md, session 52; the code is in b5ba4ef)
+constexpr int kSaVarNoTail = 68;         // debug probe (wrong results): its shipped four-group forms without any flush (kSaNoTail)
+constexpr int kSaVarNoLastFlush = 69;    // debug probe (wrong results): the same without each team's last flush (kSaNoLastFlush)
+constexpr int kSaVarRotate = 70;         // debug: its shipped forms with each k slice's units rotated by whole column units (kSaRotate)
+constexpr int kSaVarWideRotate = 71;     // debug: 61 and 70 together (kSaWide | kSaRotate)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -105,8 +105,11 @@ constexpr bool sa_forced(int variant) {
            variant == kSaVarInFinish || variant == kSaVarWgmmaTcSum || variant == kSaVarWgmmaA12 ||
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
-// The variants under which products take the shipped rules and forms (61 changes only the blocks).
-constexpr bool sa_rules(int variant) { return variant == 0 || variant == kSaVarWide; }
+// The variants under which products take the shipped rules and forms (61 changes only the blocks,
+// 70 and 71 the order of a slice's units, 68 and 69 leave flushes out).
+constexpr bool sa_rules(int variant) {
+    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWideRotate);
+}
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
     if (!sa_rules(variant) && !sa_forced(variant)) return false;
@@ -243,6 +246,12 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
         if (variant == 0) return launch_gemv_sa_shipped<K, CB, NG, 0>(a, f, stream);
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {
             if (variant == kSaVarWide) return launch_gemv_sa_shipped<K, CB, NG, kSaWide>(a, f, stream);
+            if (variant == kSaVarRotate) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate>(a, f, stream);
+            if constexpr (NG == 4) {
+                if (variant == kSaVarWideRotate) return launch_gemv_sa_shipped<K, CB, NG, kSaWide | kSaRotate>(a, f, stream);
+                if (variant == kSaVarNoTail) return launch_gemv_sa_shipped<K, CB, NG, kSaNoTail>(a, f, stream);
+                if (variant == kSaVarNoLastFlush) return launch_gemv_sa_shipped<K, CB, NG, kSaNoLastFlush>(a, f, stream);
+            }
         }
         if constexpr (NG == 4) {
             if (f.two_tiles) return launch_gemv_sa<K, CB, NG, kSaTwoTiles>(a, stream);

@@ -136,9 +136,21 @@ namespace trellis {
 // 4096x28672 and 28672x8192, 1-5% slower on 4096x14336, 1-3% faster only on 14336x4096; decode at
 // batch 17 / 24 / 32 4-10% slower. More warps do not pay for two tiles a unit and twice the k
 // slices.
+// CFG 1048576 (kSaRotate, debug variant 70; 71 with kSaWide; session 53): slice s starts its unit
+// list s / nsl of the way along its segment's column units and wraps (ranges and flush counts
+// unchanged: the shift is whole column units). Why: block bi of every slice covers the same units,
+// and all blocks run at once at the same pace, so the nsl teams that hold a column unit's partial
+// sums flush them into the same workspace words at about the same time (8 slices at 8192 inputs,
+// 28 at 28672), all of them at the kernel's end. Session 28 put the workspace atomics at ~4-8 us
+// of 32 rows, rising with the slices more than with the flushes; a vector flush with a quarter of
+// the requests measured slower (session 29), so the requests' number is not the cost. Rotated,
+// the slices' concurrent flushes land on different columns.
+// Timing probes of the wgmma form (wrong results; session 53): kSaNoTail (debug variant 68: no
+// flush at all, the bound of any flush change) and kSaNoLastFlush (69: no flush of each team's
+// last column unit, the burst at the kernel's end).
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaWide = 524288;
+              kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152;
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -191,7 +203,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr bool kTcSum = (CFG & kSaTcSum) && K == 4 && CB == CB_MUL1;
     constexpr bool kPx = (CFG & kSaProducts) && K == 4 && RAW && !kTcSum;
     constexpr bool WG = (CFG & kSaWgmma) != 0;
-    static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish && !(CFG & kSaNoTail)), "wgmma form: four row groups, A alternates by k row");
+    static_assert(!WG || (NG == 4 && KR % 2 == 0 && !kInFinish), "wgmma form: four row groups, A alternates by k row");
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
     // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
     constexpr int kThreads = S::WARPS * 32;
@@ -219,7 +231,12 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int nr = 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0;
     const int nru = nr / KR;
     const int g_first = grid.seg_grp[seg];
-    const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
+    const int n_cu = (grid.seg_grp[seg + 1] - g_first) / GW;  // the segment's column units
+    const long units = (long)n_cu * nru;
+    // kSaRotate: the slice's column units start at `rot` and wrap at g_wrap (a unit's column group
+    // is g_first + GW ((u / nru + rot) mod n_cu) + wi)
+    const int rot = (CFG & kSaRotate) ? (int)((long)n_cu * slice / grid.nsl) : 0;
+    const int g_wrap = g_first + GW * n_cu;
     const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
     auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
     const long u0 = team_first(team), u1 = team_first(team + 1);
@@ -275,7 +292,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // Producer: (column group, k row) of the next unit to fetch and its lane's source chunk.
     constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
     const size_t row_step = (size_t)tn * TW;
-    int p_grp = g_first + GW * (int)(u0 / nru) + wi;
+    auto first_grp = [&]() {
+        const int cu = (int)(u0 / nru) + rot;
+        return g_first + GW * (cu >= n_cu ? cu - n_cu : cu) + wi;
+    };
+    int p_grp = first_grp();
     int p_row = r0 + KR * (int)(u0 % nru);
     int p_slot = 0;
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
@@ -294,6 +315,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
             if ((p_row += KR) == r0 + nr) {
                 p_row = r0;
                 p_grp += GW;
+                if ((CFG & kSaRotate) && p_grp >= g_wrap) p_grp -= GW * n_cu;
                 p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
             }
         }
@@ -349,7 +371,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     for (int gr = 0; gr < NG; ++gr) has_b[gr] = gr * 8 + (lane >> 2) < m;
     const int live_groups = (CFG & kSaSkipEmpty) ? (m + 7) >> 3 : NG;  // MMAs for these groups only
 
-    int c_grp = g_first + GW * (int)(u0 / nru) + wi;
+    int c_grp = first_grp();
     int c_row = r0 + KR * (int)(u0 % nru);
     bool grp_row0 = c_row == r0;  // this warp does the slice's first k row of column group c_grp
     int c_slot = 0;
@@ -437,7 +459,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
             if constexpr (WG) wg_wait<0>();  // the sums are final
             if (last && early_trigger == 2) pdl_launch_dependents();
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
-            if constexpr (CFG & kSaNoTail) {  // probe: keep the sums alive without the tail
+            if ((CFG & kSaNoTail) || ((CFG & kSaNoLastFlush) && last)) {  // probes: keep the sums alive without the tail
                 float t = 0.f;
 #pragma unroll
                 for (int gr = 0; gr < NG; ++gr)
@@ -469,6 +491,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 grp_row0 = true;
                 c_row = r0;
                 c_grp += GW;
+                if ((CFG & kSaRotate) && c_grp >= g_wrap) c_grp -= GW * n_cu;
                 seg_units = 0;
             }
         }

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
                                kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
@@ -125,16 +125,24 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(14336, 4096), (8192, 1536), (128, 2048)])
-def test_wide_blocks_match_shipped(n_in, n_out):
-    """Debug variant 61 (kSaWide): the shipped forms in blocks of 16 warps, one to an SM, with
-    slices twice as deep, at two and four row groups (12, 17, 24 and 32 rows), with many k slices
-    of uneven length (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in
-    play: the reference's product, and the shipped form's up to fp32 order. One row group (5 rows)
-    keeps the shipped form (a row's chunk sums would span two warps in a wide block)."""
+# Debug variants that change the shipped forms' blocks or unit order, not their sums: the bits
+# each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
+_BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE)}
+
+
+@pytest.mark.parametrize("variant,n_in,n_out", [(v, i, o) for v in _BLOCK_VARIANTS
+                                                for i, o in ((14336, 4096), (8192, 1536), (128, 2048))])
+def test_block_variants_match_shipped(variant, n_in, n_out):
+    """Debug variants 61 (kSaWide: blocks of 16 warps, one to an SM, slices twice as deep), 70
+    (kSaRotate: each k slice's units start whole column units further on and wrap) and 71 (both),
+    at two and four row groups (12, 17, 24 and 32 rows), with many k slices of uneven length
+    (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the
+    reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
+    shipped form (a row's chunk sums would span two warps in a wide block)."""
     ext = ops.extension()
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=61, bias=True)
+    t = rand_layer(n_in, n_out, 4, "mul1", seed=variant, bias=True)
     w = fmt.reconstruct(t.trellis, "mul1")
+    two, four = _BLOCK_VARIANTS[variant]
     try:
         ext.set_gemv_shared_acts(2)  # the block-shared kernel at every row count and size
         for rows in (5, 12, 17, 24, 32):
@@ -143,13 +151,39 @@ def test_wide_blocks_match_shipped(n_in, n_out):
             run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)  # noqa: E731
             (cfg_shipped,) = _sa_cfgs(run)
             y_shipped = run()
-            with ops.debug_variant(61):
+            with ops.debug_variant(variant):
                 (cfg,) = _sa_cfgs(run)
                 y = run()
-            assert cfg == (cfg_shipped | SA_WIDE if rows > 8 else cfg_shipped), (rows, cfg, cfg_shipped)
+            bits = 0 if rows <= 8 else two if rows <= 16 else four
+            assert cfg == cfg_shipped | bits, (rows, cfg, cfg_shipped)
             assert bool(cfg & SA_WGMMA) == (HOPPER and rows > 16), (rows, cfg)
             assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, w)) < 2e-3, rows
             assert rel_rms(y, y_shipped) < 1e-3, rows
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
+    assert workspaces_zero()
+
+
+@pytest.mark.parametrize("variant", [70, 71])
+def test_rotated_units_of_grouped_members(variant):
+    """Rotation wraps inside each member of a grouped product (gate/up- and q/k/v-like, K = 4
+    MUL1, 8,192 inputs so several k slices, members of unequal widths on whole wgmma units): every
+    member matches its reference product at 12, 24 and 32 rows, and the kernels that ran carry
+    the rotation bit."""
+    members = [rand_layer(8192, n, 4, "mul1", seed=90 + i, bias=(i == 1)) for i, n in enumerate((1024, 512, 768))]
+    g = ops.join_linears(members)
+    ext = ops.extension()
+    try:
+        ext.set_gemv_shared_acts(2)
+        for rows in (12, 24, 32):
+            x = torch.randn(rows, 8192, device=DEV).half()
+            with ops.debug_variant(variant):
+                cfgs = _sa_cfgs(lambda: ops.exl3_gemm_group(x, g, int8=False))
+                got = ops.exl3_gemm_group(x, g, int8=False)
+            want_bit = SA_ROTATE if variant == 70 or rows > 16 else 0
+            assert cfgs and all(c & SA_ROTATE == want_bit for c in cfgs), (rows, cfgs)
+            for m, y in zip(members, got):
+                assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
     finally:
         ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()

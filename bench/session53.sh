@@ -1,0 +1,62 @@
+#!/bin/bash
+# Session 53's device call. Carry .devcarry/shared; at most ~CALL_S seconds, default 480; GOALS=0
+# unless asked (the goals ran on an H200 in session 52).
+# Question: what the 32-row product's flushes into the workspace cost in the wgmma form (it is
+# 3.5% from its goal, 0.62x of fp16 at 8192x28672 on the H200), and whether the k slices' teams
+# flushing the same columns at the same time is that cost. Debug variants (K = 4 MUL1, block-shared
+# forms under the shipped rules):
+#   68 probe: no flush at all (wrong results): the bound of any flush change
+#   69 probe: no flush of each team's last column unit (wrong results): the end-of-kernel burst
+#   70 each k slice's unit list rotated by nsl-ths of its column units (right results), so that
+#      slices flush different columns at any moment
+#   71 70 in wide blocks (61: 16 warps, one block an SM, slices twice as deep; never run on an H200)
+# 1. Errors of 70 / 71 against the reference (32 and 12 rows), then at 32 rows five shapes, the
+#    shipped product and dense fp16 in the same process, two passes; at 12 / 17 / 24 rows of the
+#    two largest shapes under 0 / 61 / 70 / 71.
+# 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70.
+GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
+echo "== variants 70 / 71: errors against the reference $(el)s" | tee -a $L
+timeout 90 python3 -c '
+import torch
+from engine import ops
+from engine.formats import exl3 as fmt
+from tests.gpu_layers import rand_layer, rel_rms
+t = rand_layer(8192, 4096, 4, "mul1", seed=70, bias=True)
+for rows in (12, 32):
+    x = torch.randn(rows, 8192, device="cuda").half()
+    want = fmt.exl3_matmul_reference(x.float(), t)
+    for v in (0, 70, 71):
+        with ops.debug_variant(v):
+            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        print("rows", rows, "variant", v, "rel_rms", rel_rms(y, want), "finite", bool(torch.isfinite(y).all()))
+' 2>&1 | tail -6 | tee -a $L
+ab32() {
+  echo "== shipped / 68 69 70 71 61 at 32 rows, pass $1 $(el)s" | tee -a $L
+  timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused dense \
+    --shapes 8192x28672 28672x8192 4096x28672 4096x14336 14336x4096 --m 32 --variants 68 69 70 71 61 2>&1 \
+    | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+}
+abrows() {
+  echo "== shipped / 70 71 61 at 12 17 24 rows, pass $1 $(el)s" | tee -a $L
+  timeout 120 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused \
+    --shapes 8192x28672 28672x8192 --m 12 17 24 --variants 70 71 61 2>&1 \
+    | python3 -c "$SUM" | grep -v '^{' | tee -a $L
+}
+ab32 1
+[ $(left) -gt 150 ] && ab32 2
+[ $(left) -gt 130 ] && abrows 1
+echo "== gpu tests of the block variants $(el)s" | tee -a $L
+timeout $(( $(left) > 120 ? 120 : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py \
+  -k "block_variants or rotated" > $OUT/pytest_variants.txt 2>&1
+grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_variants.txt | head -20 | tee -a $L
+[ $(left) -gt 100 ] && synth_llama
+for round in 1 2; do
+  [ $(left) -gt 60 ] || break
+  echo "== decode batch 32, variant 0 / 70, round $round $(el)s" | tee -a $L
+  DECODE_PASSES=1 DECODE_BATCH=32 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 70
+  [ $(left) -gt 60 ] || break
+  echo "== decode batch 16, variant 0 / 70, round $round $(el)s" | tee -a $L
+  DECODE_PASSES=1 DECODE_BATCH=16 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 70
+done
+[ $(left) -gt 130 ] && abrows 2
+echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L
