@@ -10,7 +10,8 @@
 #   70 each k slice's unit list rotated by nsl-ths of its column units (right results), so that
 #      slices flush different columns at any moment
 #   71 70 in wide blocks (61: 16 warps, one block an SM, slices twice as deep; never run on an H200)
-# 1. Errors of 70 / 71 against the reference (32 and 12 rows), then at 32 rows five shapes, the
+# 1. Errors of 70 / 71 against the reference (32 and 12 rows); the kernels' times at 32 rows of
+#    8192x28672 (profiler: prep, product, finish); then at 32 rows three shapes, the
 #    shipped product and dense fp16 in the same process, two passes; at 12 / 17 / 24 rows of the
 #    two largest shapes under 0 / 61 / 70 / 71.
 # 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70.
@@ -30,10 +31,26 @@ for rows in (12, 32):
             y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
         print("rows", rows, "variant", v, "rel_rms", rel_rms(y, want), "finite", bool(torch.isfinite(y).all()))
 ' 2>&1 | tail -6 | tee -a $L
+echo "== kernel times at 32 rows of 8192x28672 (profiler, shipped, 20 calls) $(el)s" | tee -a $L
+timeout 90 python3 -c '
+import torch
+from engine import ops
+from tests.gpu_layers import rand_layer
+t = rand_layer(8192, 28672, 4, "mul1", seed=5)
+x = torch.randn(32, 8192, device="cuda").half()
+for _ in range(5): ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+torch.cuda.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+    for _ in range(20): ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+    torch.cuda.synchronize()
+for e in p.key_averages():
+    if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= 20:
+        print(f"{e.key[:70]:70s} n={e.count} avg_us={e.device_time_total / e.count:.2f}")
+' 2>&1 | tail -8 | tee -a $L
 ab32() {
   echo "== shipped / 68 69 70 71 61 at 32 rows, pass $1 $(el)s" | tee -a $L
   timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused dense \
-    --shapes 8192x28672 28672x8192 4096x28672 4096x14336 14336x4096 --m 32 --variants 68 69 70 71 61 2>&1 \
+    --shapes 8192x28672 28672x8192 4096x28672 --m 32 --variants 68 69 70 71 61 2>&1 \
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 }
 abrows() {
