@@ -1,4 +1,4 @@
-# The start a session's device script shares (sourced by bench/session51.sh, session52.sh): the
+# The start a session's device script shares (sourced by bench/session51.sh to session53.sh): the
 # card's name in $OUT/log.txt, left (seconds of the call's CALL_S, default 480, still to go), the
 # issue's goals on an H200 unless GOALS=0 (bench/h200_goals.sh QUICK=1, on the debug build, whose
 # variant 0 is the shipped code), then the debug build without the GPU tests (bench/gpu_common.sh;
