@@ -12,8 +12,9 @@
 #   71 70 in wide blocks (61: 16 warps, one block an SM, slices twice as deep; never run on an H200)
 # 1. Errors of 70 / 71 against the reference (32 and 12 rows); the kernels' times at 32 rows of
 #    8192x28672 (profiler: prep, product, finish); then at 32 rows three shapes, the
-#    shipped product and dense fp16 in the same process, two passes; at 12 / 17 / 24 rows of the
-#    two largest shapes under 0 / 61 / 70 / 71.
+#    shipped product and dense fp16 in the same process, two passes, with the goal's calls and
+#    warm-up (so 8192x28672 gives the 32-row goal's figure under each variant); at 12 / 17 / 24
+#    rows of the two largest shapes under 0 / 61 / 70 / 71.
 # 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70.
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
 echo "== variants 70 / 71: errors against the reference $(el)s" | tee -a $L
@@ -49,7 +50,7 @@ for e in p.key_averages():
 ' 2>&1 | tail -8 | tee -a $L
 ab32() {
   echo "== shipped / 68 69 70 71 61 at 32 rows, pass $1 $(el)s" | tee -a $L
-  timeout 150 python3 -m bench.linear --timing graph --cache cold --calls 40 --warmup 5 --K 4 --codebook mul1 --paths fused dense \
+  timeout 170 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --codebook mul1 --paths fused dense \
     --shapes 8192x28672 28672x8192 4096x28672 --m 32 --variants 68 69 70 71 61 2>&1 \
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 }
@@ -60,7 +61,7 @@ abrows() {
     | python3 -c "$SUM" | grep -v '^{' | tee -a $L
 }
 ab32 1
-[ $(left) -gt 150 ] && ab32 2
+[ $(left) -gt 170 ] && ab32 2
 [ $(left) -gt 130 ] && abrows 1
 echo "== gpu tests of the block variants $(el)s" | tee -a $L
 timeout $(( $(left) > 120 ? 120 : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py \
