@@ -141,10 +141,11 @@ namespace trellis {
 // unchanged: the shift is whole column units). Why: block bi of every slice covers the same units,
 // and all blocks run at once at the same pace, so the nsl teams that hold a column unit's partial
 // sums flush them into the same workspace words at about the same time (8 slices at 8192 inputs,
-// 28 at 28672), all of them at the kernel's end. Session 28 put the workspace atomics at ~4-8 us
-// of 32 rows, rising with the slices more than with the flushes; a vector flush with a quarter of
-// the requests measured slower (session 29), so the requests' number is not the cost. Rotated,
-// the slices' concurrent flushes land on different columns.
+// 28 at 28672), and every team's last flush falls at the kernel's end. Session 28 put the
+// workspace atomics at ~4-8 us of 32 rows, rising with the slices more than with the flushes; a
+// vector flush with a quarter of the requests measured slower (session 29), so the requests'
+// number is not the cost. Rotated, the slices' concurrent flushes land on different columns. Not
+// yet run on a GPU (csrc/PERF_NOTES.md, session 53).
 // Timing probes of the wgmma form (wrong results; session 53): kSaNoTail (debug variant 68: no
 // flush at all, the bound of any flush change) and kSaNoLastFlush (69: no flush of each team's
 // last column unit, the burst at the kernel's end).
