@@ -23,6 +23,8 @@
 # 388.6 tok/s, prefill 35,882 tok/s; 66 right (67 wrong: the strides are as 66 has them) but
 # 20-26% slower at 32 rows; 65 5-7% slower at 5..8 rows of the large layers; decode at batch 8 /
 # 32 1-3% / 7-9% slower; the 11 GPU tests of the forms passed; no time was left for the suite.
+# Since session 53 its tests and decode rounds go through session_start.sh's some_gpu_tests and
+# decode_rounds, the same commands (the batch-8 step's clock gate was 80 s, now 60).
 source bench/session_start.sh  # the card, left, the goals on an H200, the debug build
 ab65() {
   echo "== shipped / variant 65 (unpacked MUL1 pairs) at 5 and 8 rows, pass $1 $(el)s" | tee -a $L
@@ -54,19 +56,9 @@ ab66 1
 ab65 1
 [ $(left) -gt 200 ] && ab66 2
 [ $(left) -gt 200 ] && ab65 2
-echo "== gpu tests of the decode forms $(el)s" | tee -a $L
-timeout $(( $(left) > 150 ? 150 : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_ops_gpu.py tests/test_gemv_wgmma_gpu.py \
-  -k "unpacked or decode_forms" > $OUT/pytest_forms.txt 2>&1
-grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_forms.txt | head -20 | tee -a $L
+some_gpu_tests 150 pytest_forms.txt "unpacked or decode_forms" tests/test_ops_gpu.py tests/test_gemv_wgmma_gpu.py
 [ $(left) -gt 120 ] && synth_llama
-for round in 1 2; do
-  [ $(left) -gt 80 ] || break
-  echo "== decode batch 8, variant 0 / 65, round $round $(el)s" | tee -a $L
-  DECODE_PASSES=1 DECODE_BATCH=8 DECODE_TOKENS=48 decode_by_setting TRELLIS_GV_VARIANT variant 0 65
-  [ $(left) -gt 60 ] || break
-  echo "== decode batch 32, variant 0 / 66, round $round $(el)s" | tee -a $L
-  DECODE_PASSES=1 DECODE_BATCH=32 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 66
-done
+decode_rounds 60 "8 48 65" "32 32 66"
 [ $(left) -gt 60 ] && { ab66 3; ab65 3; }
 [ $(left) -gt 200 ] && gpu_tests $(( $(left) - 20 )) pytest_gpu.txt
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L

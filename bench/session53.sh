@@ -63,18 +63,8 @@ abrows() {
 ab32 1
 [ $(left) -gt 170 ] && ab32 2
 [ $(left) -gt 130 ] && abrows 1
-echo "== gpu tests of the block variants $(el)s" | tee -a $L
-timeout $(( $(left) > 120 ? 120 : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests/test_gemv_wgmma_gpu.py \
-  -k "block_variants or rotated" > $OUT/pytest_variants.txt 2>&1
-grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/pytest_variants.txt | head -20 | tee -a $L
+some_gpu_tests 120 pytest_variants.txt "block_variants or rotated" tests/test_gemv_wgmma_gpu.py
 [ $(left) -gt 100 ] && synth_llama
-for round in 1 2; do
-  [ $(left) -gt 60 ] || break
-  echo "== decode batch 32, variant 0 / 70, round $round $(el)s" | tee -a $L
-  DECODE_PASSES=1 DECODE_BATCH=32 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 70
-  [ $(left) -gt 60 ] || break
-  echo "== decode batch 16, variant 0 / 70, round $round $(el)s" | tee -a $L
-  DECODE_PASSES=1 DECODE_BATCH=16 DECODE_TOKENS=32 decode_by_setting TRELLIS_GV_VARIANT variant 0 70
-done
+decode_rounds 60 "32 32 70" "16 32 70"
 [ $(left) -gt 130 ] && abrows 2
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L
