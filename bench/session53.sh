@@ -15,7 +15,8 @@
 #    shipped product and dense fp16 in the same process, two passes, with the goal's calls and
 #    warm-up (so 8192x28672 gives the 32-row goal's figure under each variant); at 12 / 17 / 24
 #    rows of the two largest shapes under 0 / 61 / 70 / 71.
-# 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70.
+# 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70;
+#    if the clock allows, ncu's SM active and elapsed cycles of the 32-row product under 0 and 70.
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
 echo "== variants 70 / 71: errors against the reference $(el)s" | tee -a $L
 timeout 90 python3 -c '
@@ -66,5 +67,15 @@ ab32 1
 some_gpu_tests 120 pytest_variants.txt "block_variants or rotated" tests/test_gemv_wgmma_gpu.py
 [ $(left) -gt 100 ] && synth_llama
 decode_rounds 60 "32 32 70" "16 32 70"
+# SM active against elapsed cycles (ncu's SpeedOfLight) of the 32-row product under TRELLIS_GV_VARIANT
+# $1: session 47 had the SMs active on 92% of the elapsed cycles (H100), ~8% of the time some idle
+ncu_active() {
+  echo "== ncu, 32 rows of 8192x28672, variant $1 $(el)s" | tee -a $L
+  TRELLIS_GV_VARIANT=$1 timeout 90 ncu --clock-control none -k regex:exl3_gemv_sa --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --metrics smsp__inst_executed.sum python3 -m bench.linear --once --shapes 8192x28672 \
+    --K 4 --m 32 > $OUT/ncu_v$1.txt 2>&1
+  grep -E "Duration|SM Frequency|SM Active Cycles|Elapsed Cycles|inst_executed" $OUT/ncu_v$1.txt | cut -c1-150 | tee -a $L
+}
+[ $(left) -gt 150 ] && { ncu_active 0; ncu_active 70; }
 [ $(left) -gt 130 ] && abrows 2
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L
