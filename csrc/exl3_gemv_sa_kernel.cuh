@@ -232,11 +232,12 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int nr = 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0;
     const int nru = nr / KR;
     const int g_first = grid.seg_grp[seg];
-    const int n_cu = (grid.seg_grp[seg + 1] - g_first) / GW;  // the segment's column units
-    const long units = (long)n_cu * nru;
-    // kSaRotate: the slice's column units start at `rot` and wrap at g_wrap (a unit's column group
-    // is g_first + GW ((u / nru + rot) mod n_cu) + wi)
-    const int rot = (CFG & kSaRotate) ? (int)((long)n_cu * slice / grid.nsl) : 0;
+    const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
+    // kSaRotate: the slice's column units (n_cu in its segment) start at `rot` and wrap at g_wrap
+    // (a unit's column group is g_first + GW ((u / nru + rot) mod n_cu) + wi)
+    constexpr bool kRot = (CFG & kSaRotate) != 0;
+    const int n_cu = kRot ? (grid.seg_grp[seg + 1] - g_first) / GW : 0;
+    const int rot = kRot ? (int)((long)n_cu * slice / grid.nsl) : 0;
     const int g_wrap = g_first + GW * n_cu;
     const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
     auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
@@ -294,8 +295,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     constexpr int kChunks = CT * TW / 4;  // 16-byte chunks of trellis per k row of a unit
     const size_t row_step = (size_t)tn * TW;
     auto first_grp = [&]() {
-        const int cu = (int)(u0 / nru) + rot;
-        return g_first + GW * (cu >= n_cu ? cu - n_cu : cu) + wi;
+        int cu = (int)(u0 / nru);
+        if constexpr (kRot) cu = cu + rot >= n_cu ? cu + rot - n_cu : cu + rot;
+        return g_first + GW * cu + wi;
     };
     int p_grp = first_grp();
     int p_row = r0 + KR * (int)(u0 % nru);
@@ -316,7 +318,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
             if ((p_row += KR) == r0 + nr) {
                 p_row = r0;
                 p_grp += GW;
-                if ((CFG & kSaRotate) && p_grp >= g_wrap) p_grp -= GW * n_cu;
+                if (kRot && p_grp >= g_wrap) p_grp -= GW * n_cu;
                 p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
             }
         }
@@ -492,7 +494,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 grp_row0 = true;
                 c_row = r0;
                 c_grp += GW;
-                if ((CFG & kSaRotate) && c_grp >= g_wrap) c_grp -= GW * n_cu;
+                if (kRot && c_grp >= g_wrap) c_grp -= GW * n_cu;
                 seg_units = 0;
             }
         }
