@@ -181,7 +181,7 @@ def test_rotated_units_of_grouped_members(variant):
                 cfgs = _sa_cfgs(lambda: ops.exl3_gemm_group(x, g, int8=False))
                 got = ops.exl3_gemm_group(x, g, int8=False)
             want_bit = SA_ROTATE if variant == 70 or rows > 16 else 0
-            assert cfgs and all(c & SA_ROTATE == want_bit for c in cfgs), (rows, cfgs)
+            assert cfgs and all((c & SA_ROTATE) == want_bit for c in cfgs), (rows, cfgs)
             for m, y in zip(members, got):
                 assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
     finally:
