@@ -10,8 +10,11 @@
 #   70 each k slice's unit list rotated by nsl-ths of its column units (right results), so that
 #      slices flush different columns at any moment
 #   71 70 in wide blocks (61: 16 warps, one block an SM, slices twice as deep; never run on an H200)
+#   72 / 73 the shipped / rotated forms with each team's start, first unit, last flush and end
+#      times (bench/sa_stamps.py): which SMs sit idle at the end, and why (session 47's ncu: 8%)
 # 1. Errors of 70 / 71 against the reference (32 and 12 rows); the kernels' times at 32 rows of
-#    8192x28672 (profiler: prep, product, finish); then at 32 rows three shapes, the
+#    8192x28672 (profiler: prep, product, finish); the teams' stamps under 72 / 73 at 32 rows of
+#    8192x28672 and 28672x8192; then at 32 rows three shapes, the
 #    shipped product and dense fp16 in the same process, two passes, with the goal's calls and
 #    warm-up (so 8192x28672 gives the 32-row goal's figure under each variant); at 12 / 17 / 24
 #    rows of the two largest shapes under 0 / 61 / 70 / 71.
@@ -49,6 +52,10 @@ for e in p.key_averages():
     if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= 20:
         print(f"{e.key[:70]:70s} n={e.count} avg_us={e.device_time_total / e.count:.2f}")
 ' 2>&1 | tail -8 | tee -a $L
+echo "== stamps of every team at 32 rows of 8192x28672 and 28672x8192, variants 72 / 73 $(el)s" | tee -a $L
+for shape in 8192x28672 28672x8192; do
+  timeout 60 python3 -m bench.sa_stamps --shape $shape --m 32 --variants 72 73 --calls 3 2>&1 | tail -6 | tee -a $L
+done
 ab32() {
   echo "== shipped / 68 69 70 71 61 at 32 rows, pass $1 $(el)s" | tee -a $L
   timeout 170 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --codebook mul1 --paths fused dense \
@@ -64,7 +71,7 @@ abrows() {
 ab32 1
 [ $(left) -gt 170 ] && ab32 2
 [ $(left) -gt 130 ] && abrows 1
-some_gpu_tests 120 pytest_variants.txt "block_variants or rotated" tests/test_gemv_wgmma_gpu.py
+some_gpu_tests 120 pytest_variants.txt "block_variants or rotated or stamps" tests/test_gemv_wgmma_gpu.py
 [ $(left) -gt 100 ] && synth_llama
 decode_rounds 60 "32 32 70" "16 32 70"
 # SM active against elapsed cycles (ncu's SpeedOfLight) of the 32-row product under TRELLIS_GV_VARIANT

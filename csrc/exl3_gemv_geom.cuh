@@ -41,6 +41,8 @@ constexpr int kSaVarNoTail = 68;         // debug probe (wrong results): its shi
 constexpr int kSaVarNoLastFlush = 69;    // debug probe (wrong results): the same without each team's last flush (kSaNoLastFlush)
 constexpr int kSaVarRotate = 70;         // debug: its shipped forms with each k slice's units rotated by whole column units (kSaRotate)
 constexpr int kSaVarWideRotate = 71;     // debug: 61 and 70 together (kSaWide | kSaRotate)
+constexpr int kSaVarStamp = 72;          // debug: its shipped four-group forms with each team's times (kSaStamp, bench/sa_stamps.py)
+constexpr int kSaVarRotateStamp = 73;    // debug: 70 with them (kSaRotate | kSaStamp)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -106,9 +106,9 @@ constexpr bool sa_forced(int variant) {
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
 // The variants under which products take the shipped rules and forms (61 changes only the blocks,
-// 70 and 71 the order of a slice's units, 68 and 69 leave flushes out).
+// 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps).
 constexpr bool sa_rules(int variant) {
-    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWideRotate);
+    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarRotateStamp);
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -148,9 +148,15 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
         if (sa_unsplit(a)) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
     }
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
+    // kSaStamp: the stamps go where `counters` would (split products do not count), if they fit
+    int* counters = a.counters;
+    if constexpr ((CFG & kSaStamp) != 0) {
+        constexpr int kTeams = CFG & kSaWgmma ? S::WARPS / 4 : S::WARPS;
+        counters = blocks * kTeams <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
+    }
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(S::WARPS * 32),
                                           smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
-                                          a.bias, a.counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
+                                          a.bias, counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
 }
 
@@ -251,6 +257,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == kSaVarWideRotate) return launch_gemv_sa_shipped<K, CB, NG, kSaWide | kSaRotate>(a, f, stream);
                 if (variant == kSaVarNoTail) return launch_gemv_sa_shipped<K, CB, NG, kSaNoTail>(a, f, stream);
                 if (variant == kSaVarNoLastFlush) return launch_gemv_sa_shipped<K, CB, NG, kSaNoLastFlush>(a, f, stream);
+                if (variant == kSaVarStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaStamp>(a, f, stream);
+                if (variant == kSaVarRotateStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate | kSaStamp>(a, f, stream);
             }
         }
         if constexpr (NG == 4) {

@@ -149,9 +149,24 @@ namespace trellis {
 // Timing probes of the wgmma form (wrong results; session 53): kSaNoTail (debug variant 68: no
 // flush at all, the bound of any flush change) and kSaNoLastFlush (69: no flush of each team's
 // last column unit, the burst at the kernel's end).
+// CFG 4194304 (kSaStamp, debug variants 72 / 73 with the shipped / rotated four-group forms;
+// session 53): each team's lane 0 of its first warp writes when its block started, when its first
+// unit was done, when its last flush began and when it ended (%globaltimer, ns), with its SM, k
+// slice, block index and flush count, into the buffer set_sa_stamp_buffer names (passed as
+// `counters`, which split products do not use; nothing is written without one). Why: session 47's
+// ncu had the SMs active on only 92% of the 32-row product's elapsed cycles though every block
+// has the same units; bench/sa_stamps.py says which blocks end early, and whether their slices,
+// flush counts or SMs explain it.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
-              kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152;
+              kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152,
+              kSaStamp = 4194304;
+constexpr int kSaStampWords = 8;  // uint64 words a team's stamps take (kSaStamp)
+__device__ __forceinline__ uint64_t sa_globaltimer() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 template <int K, int NG, int CFG = 0>
 struct SaShape {
     static constexpr int C = CFG & 3;                           // the shape part of CFG
@@ -243,6 +258,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
     const long u0 = team_first(team), u1 = team_first(team + 1);
     const int n_units = (int)(u1 - u0);
+    constexpr bool kStamp = (CFG & kSaStamp) != 0;
+    uint64_t stamp[4] = {};  // kSaStamp: block start, first unit done, last flush begun, team end
+    int n_flushes = 0;
+    if constexpr (kStamp) stamp[0] = sa_globaltimer();
 
     const int acts = 0;               // the slice's fragments: nr * BROW words
     const int ring = ks * BROW + warp * NS * SW;
@@ -456,11 +475,16 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
             }
         }
         if (kParts && s == 0) publish_row_sums();  // (before a flush that may wait for them)
+        if (kStamp && s == 0) stamp[1] = sa_globaltimer();
         seg_units += KR;
         const bool last = s + 1 == n_units;
         if ((c_row += KR) == r0 + nr || last) {
             if constexpr (WG) wg_wait<0>();  // the sums are final
             if (last && early_trigger == 2) pdl_launch_dependents();
+            if constexpr (kStamp) {
+                ++n_flushes;
+                if (last) stamp[2] = sa_globaltimer();
+            }
             uint2 sv = make_uint2(0u, 0u), bv = make_uint2(0u, 0u);
             if ((CFG & kSaNoTail) || ((CFG & kSaNoLastFlush) && last)) {  // probes: keep the sums alive without the tail
                 float t = 0.f;
@@ -502,6 +526,18 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     if constexpr (WG) wg_wait<0>();  // (the last unit's flush waited already; ptxas cannot tell)
     cp_async_wait<0>();
+    if constexpr (kStamp) {
+        if (counters && wi == 0 && lane == 0) {
+            uint32_t smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            uint64_t* out_stamps = reinterpret_cast<uint64_t*>(counters) + ((size_t)blockIdx.x * kTeams + team) * kSaStampWords;
+            out_stamps[0] = 1ull << 63 | (uint64_t)(n_flushes & 0xfff) << 40 | (uint64_t)(bi & 0xffff) << 24 |
+                            (uint64_t)(slice & 0xfff) << 12 | (smid & 0xfff);
+            stamp[3] = sa_globaltimer();
+#pragma unroll
+            for (int j = 0; j < 4; ++j) out_stamps[1 + j] = stamp[j];
+        }
+    }
     wait_all_parts();
 }
 

@@ -244,6 +244,17 @@ inline int& gemv_sa_grid() {
     return v;
 }
 
+// Where the block-shared product's stamp variants (kSaStamp, debug variants 72 / 73) write each
+// team's times, and how many teams' stamps it holds (set_sa_stamp_buffer; none by default).
+inline uint64_t*& sa_stamp_buffer() {
+    static uint64_t* p = nullptr;
+    return p;
+}
+inline long& sa_stamp_slots() {
+    static long n = 0;
+    return n;
+}
+
 // Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
 inline int& gemv_finish_rows() {
     static int v = 8;

@@ -252,6 +252,7 @@ void set_finish_early_reads(bool enabled);
 // session 28 (about 8 column groups per block), a benchmark baseline.
 void set_gemv_sa_grid(int rule);
 void set_gemv_sa_tiles(int rule);
+void set_sa_stamp_buffer(int64_t ptr, int64_t slots);
 // Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA on a device
 // of compute capability 9.0: 1 (default) yes, 0 no (a benchmark baseline).
 void set_gemv_wgmma(int mode);

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_TWO_TILES, SA_WGMMA, SA_WIDE,  # noqa: E402
                                kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
@@ -127,14 +127,16 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 
 # Debug variants that change the shipped forms' blocks or unit order, not their sums: the bits
 # each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
-_BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE)}
+_BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE),
+                   72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP)}
 
 
 @pytest.mark.parametrize("variant,n_in,n_out", [(v, i, o) for v in _BLOCK_VARIANTS
                                                 for i, o in ((14336, 4096), (8192, 1536), (128, 2048))])
 def test_block_variants_match_shipped(variant, n_in, n_out):
     """Debug variants 61 (kSaWide: blocks of 16 warps, one to an SM, slices twice as deep), 70
-    (kSaRotate: each k slice's units start whole column units further on and wrap) and 71 (both),
+    (kSaRotate: each k slice's units start whole column units further on and wrap), 71 (both), 72
+    and 73 (the shipped and rotated four-group forms with stamps, no buffer set: none written),
     at two and four row groups (12, 17, 24 and 32 rows), with many k slices of uneven length
     (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the
     reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
@@ -187,6 +189,45 @@ def test_rotated_units_of_grouped_members(variant):
     finally:
         ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()
+
+
+@pytest.mark.parametrize("variant", [72, 73])
+def test_stamps_of_every_team(variant):
+    """Debug variants 72 / 73 (kSaStamp) with a buffer set: every team of the 32-row product
+    (two warpgroups a block on Hopper, else eight warps) writes its SM, slice and flush count and
+    four times in order, which
+    bench/sa_stamps.py reads; the product stays right, and without a buffer nothing is written."""
+    from bench.sa_stamps import STAMP_WORDS, decode_stamps, summarize
+
+    ext = ops.extension()
+    t = rand_layer(8192, 1536, 4, "mul1", seed=variant)
+    x = torch.randn(32, 8192, device=DEV).half()
+    slots = 4096
+    buf = torch.zeros(slots * STAMP_WORDS, dtype=torch.int64, device=DEV)
+    try:
+        ext.set_sa_stamp_buffer(buf.data_ptr(), slots)
+        with ops.debug_variant(variant):
+            (cfg,) = _sa_cfgs(lambda: ops.exl3_gemm(x, t, mode="fused", int8=False, version=3))
+            buf.zero_()
+            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+        torch.cuda.synchronize()
+    finally:
+        ext.set_sa_stamp_buffer(0, 0)
+    assert cfg & SA_STAMP and bool(cfg & SA_ROTATE) == (variant == 73), cfg
+    assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
+    teams = decode_stamps(buf.cpu().tolist())
+    blocks, slices, _ = ext.gemv_sa_plan(4, 32, 8192, 1536, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert len(teams) == (2 if HOPPER else 8) * blocks, (len(teams), blocks)  # warpgroups or warps
+    assert {tm["slice"] for tm in teams} == set(range(slices))
+    for tm in teams:
+        assert tm["start"] <= tm["first_unit"] <= tm["last_flush"] <= tm["end"], tm
+        assert tm["flushes"] >= 1 and tm["sm"] < torch.cuda.get_device_properties(0).multi_processor_count, tm
+    assert summarize(teams)["span_us"] > 0
+    buf.zero_()
+    with ops.debug_variant(variant):
+        ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
+    torch.cuda.synchronize()
+    assert not decode_stamps(buf.cpu().tolist())
 
 
 def test_wgmma_form_by_default_on_a_large_layer_and_not_past_k4():

@@ -1,0 +1,35 @@
+"""bench/sa_stamps.py's reading of the block-shared product's stamps (kSaStamp), on a hand-made
+buffer: the kernel's packing of a team's metadata, and the idle SM time and late teams it reports."""
+from bench.sa_stamps import STAMP_WORDS, decode_stamps, summarize
+
+
+def _team(sm, slice_, block, flushes, start, first_unit, last_flush, end) -> list[int]:
+    meta = 1 << 63 | flushes << 40 | block << 24 | slice_ << 12 | sm
+    meta -= 1 << 64  # as the int64 buffer holds it
+    return [meta, start, first_unit, last_flush, end, 0, 0, 0]
+
+
+def test_decode_reads_the_kernels_packing_and_skips_empty_slots():
+    words = _team(131, 27, 8, 3, 1000, 2000, 9000, 9500) + [0] * STAMP_WORDS + _team(0, 0, 0, 2, 0, 1, 2, 3)
+    teams = decode_stamps(words)
+    assert [(t["sm"], t["slice"], t["block"], t["flushes"]) for t in teams] == [(131, 27, 8, 3), (0, 0, 0, 2)]
+    assert (teams[0]["start"], teams[0]["first_unit"], teams[0]["last_flush"], teams[0]["end"]) == (1000, 2000, 9000, 9500)
+
+
+def test_summary_finds_the_idle_sm_and_the_late_flush_count():
+    # SM 0: two teams ending at 100 us; SM 1: its teams end at 90 and 80 us (3 flushes each), so
+    # it idles 10 us of the 100 us span and SM 0 none: a 5% mean idle share.
+    us = 1000
+    words = (_team(0, 0, 0, 2, 0, 5 * us, 99 * us, 100 * us) + _team(0, 1, 0, 2, 0, 5 * us, 99 * us, 100 * us)
+             + _team(1, 0, 1, 3, 0, 5 * us, 88 * us, 90 * us) + _team(1, 1, 1, 3, 0, 5 * us, 78 * us, 80 * us))
+    s = summarize(decode_stamps(words))
+    assert (s["teams"], s["sms"], s["span_us"], s["start_spread_us"]) == (4, 2, 100.0, 0.0)
+    assert s["sm_idle_share"] == 0.05
+    assert s["end_before_last_us_by_flushes"] == {"2": 0.0, "3": 15.0}
+    assert s["end_before_last_us"]["max"] == 20.0
+    assert s["last_flush_us_mean"] == 1.5 and s["last_flush_us_max"] == 2.0
+    assert s["slice_end_spread_us"] == 5.0
+
+
+def test_summary_of_nothing_written():
+    assert summarize(decode_stamps([0] * 4 * STAMP_WORDS)) == {"teams": 0}
