@@ -10,12 +10,15 @@ L=$OUT/log.txt
 t0=$(date +%s)
 el() { echo $(( $(date +%s)-t0 )); }
 timeout 240 python3 -c "from engine import ops; import time; t=time.time(); ops.extension(); print('build_s', round(time.time()-t,1))" 2>&1 | tail -15 | tee -a $L
-# The whole GPU suite within TIMEOUT seconds, its output in $OUT/FILE, its failures and count in
-# the log: gpu_tests TIMEOUT FILE [LABEL]  (an A/B build's suite: TRELLIS_NVCC_DEFINES=... gpu_tests ...)
+# The whole GPU suite (or, after LABEL, these pytest arguments) within TIMEOUT seconds, its output
+# in $OUT/FILE, its failures and count in the log: gpu_tests TIMEOUT FILE [LABEL [ARG...]]  (an A/B
+# build's suite: TRELLIS_NVCC_DEFINES=... gpu_tests ...)
 gpu_tests() {
-  echo "== gpu tests${3:+, $3} $(el)s" | tee -a $L
-  timeout $1 python3 -m pytest -q -rfs -m gpu -p no:cacheprovider tests > $OUT/$2 2>&1
-  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/$2 | head -30 | tee -a $L
+  local limit=$1 file=$2 label=$3
+  shift $(( $# < 3 ? $# : 3 ))
+  echo "== gpu tests${label:+, $label} $(el)s" | tee -a $L
+  timeout $limit python3 -m pytest -q -rfs -m gpu -p no:cacheprovider "${@:-tests}" > $OUT/$file 2>&1
+  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/$file | head -30 | tee -a $L
 }
 # SKIP_GPU_TESTS=1: a second call of a session, its tests already run (or a script that runs them later)
 [ -z "$SKIP_GPU_TESTS" ] && gpu_tests 300 pytest_gpu.txt

@@ -12,30 +12,15 @@
 #   71 70 in wide blocks (61: 16 warps, one block an SM, slices twice as deep; never run on an H200)
 #   72 / 73 the shipped / rotated forms with each team's start, first unit, last flush and end
 #      times (bench/sa_stamps.py): which SMs sit idle at the end, and why (session 47's ncu: 8%)
-# 1. Errors of 70 / 71 against the reference (32 and 12 rows); the kernels' times at 32 rows of
-#    8192x28672 (profiler: prep, product, finish); the teams' stamps under 72 / 73 at 32 rows of
-#    8192x28672 and 28672x8192; then at 32 rows three shapes, the
-#    shipped product and dense fp16 in the same process, two passes, with the goal's calls and
+# 1. The kernels' times at 32 rows of 8192x28672 (profiler: prep, product, finish); the teams'
+#    stamps under 72 / 73 at 32 rows of 8192x28672 and 28672x8192; then at 32 rows three shapes,
+#    the shipped product and dense fp16 in the same process, two passes, with the goal's calls and
 #    warm-up (so 8192x28672 gives the 32-row goal's figure under each variant); at 12 / 17 / 24
-#    rows of the two largest shapes under 0 / 61 / 70 / 71.
+#    rows of the two largest shapes under 0 / 61 / 70 / 71. bench.linear checks each variant's
+#    product against the reference at each row count first (the "check" column).
 # 2. The GPU tests of the block variants; decode at batch 32 and 16 under TRELLIS_GV_VARIANT 0 / 70;
 #    if the clock allows, ncu's SM active and elapsed cycles of the 32-row product under 0 and 70.
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
-echo "== variants 70 / 71: errors against the reference $(el)s" | tee -a $L
-timeout 90 python3 -c '
-import torch
-from engine import ops
-from engine.formats import exl3 as fmt
-from tests.gpu_layers import rand_layer, rel_rms
-t = rand_layer(8192, 4096, 4, "mul1", seed=70, bias=True)
-for rows in (12, 32):
-    x = torch.randn(rows, 8192, device="cuda").half()
-    want = fmt.exl3_matmul_reference(x.float(), t)
-    for v in (0, 70, 71):
-        with ops.debug_variant(v):
-            y = ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
-        print("rows", rows, "variant", v, "rel_rms", rel_rms(y, want), "finite", bool(torch.isfinite(y).all()))
-' 2>&1 | tail -6 | tee -a $L
 echo "== kernel times at 32 rows of 8192x28672 (profiler, shipped, 20 calls) $(el)s" | tee -a $L
 timeout 90 python3 -c '
 import torch

@@ -4,8 +4,8 @@
 # variant 0 is the shipped code), then the debug build without the GPU tests (bench/gpu_common.sh;
 # cached when the goals built it), which gives the script $L, el, gpu_tests, synth_llama,
 # decode_by_setting and $SUM. Then two helpers of its own, which read left:
-#   some_gpu_tests LIMIT FILE EXPR PATH...  the GPU tests of PATH... that match -k EXPR, within LIMIT
-#     seconds and the call's clock, output in $OUT/FILE, failures and count in the log
+#   some_gpu_tests LIMIT FILE EXPR PATH...  gpu_tests of PATH... that match -k EXPR, within LIMIT
+#     seconds and the call's clock
 #   decode_rounds MIN "BATCH TOKENS VARIANT"...  two rounds of whole-model decode under
 #     TRELLIS_GV_VARIANT 0 and VARIANT at each batch, one process each, while more than MIN s are left
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | tee -a $OUT/log.txt
@@ -16,10 +16,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${GOALS:-
 SKIP_GPU_TESTS=1 source bench/gpu_common.sh
 some_gpu_tests() {
   local limit=$1 file=$2 expr=$3; shift 3
-  echo "== gpu tests: $expr $(el)s" | tee -a $L
-  timeout $(( $(left) > limit ? limit : $(left) - 10 )) python3 -m pytest -q -rfs -m gpu -p no:cacheprovider "$@" \
-    -k "$expr" > $OUT/$file 2>&1
-  grep -E "^(FAILED|ERROR)|^E  |passed|failed" $OUT/$file | head -20 | tee -a $L
+  gpu_tests $(( $(left) > limit ? limit : $(left) - 10 )) $file "$expr" "$@" -k "$expr"
 }
 decode_rounds() {
   local min=$1 round spec b t v; shift

@@ -150,10 +150,8 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
     // kSaStamp: the stamps go where `counters` would (split products do not count), if they fit
     int* counters = a.counters;
-    if constexpr ((CFG & kSaStamp) != 0) {
-        constexpr int kTeams = CFG & kSaWgmma ? S::WARPS / 4 : S::WARPS;
-        counters = blocks * kTeams <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
-    }
+    if constexpr ((CFG & kSaStamp) != 0)
+        counters = blocks * S::TEAMS <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(S::WARPS * 32),
                                           smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);

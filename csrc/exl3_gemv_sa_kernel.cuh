@@ -176,6 +176,9 @@ struct SaShape {
     // warps a block, and blocks an SM the grid is sized for (and the launch bounds ask)
     static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;
     static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : 2;
+    // warps a team (a warpgroup in the wgmma form, else one warp), and teams a block
+    static constexpr int GW = CFG & kSaWgmma ? 4 : 1;
+    static constexpr int TEAMS = WARPS / GW;
     static constexpr int TW = 8 * K;                            // trellis words per tile
     static constexpr int SW = KR * CT * TW;                     // ring stage: one unit's trellis
     static constexpr int BROW = NG * 64;                        // fragment words per k row (prep_frag)
@@ -223,7 +226,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // A unit's column groups: a warpgroup's 4 adjacent ones with wgmma (warp wi the group 4 G + wi
     // of unit G), else the warp's one. Its team (warpgroup or warp) owns a range of units.
     constexpr int kThreads = S::WARPS * 32;
-    constexpr int GW = WG ? 4 : 1, kTeams = S::WARPS / GW;
+    constexpr int GW = S::GW, kTeams = S::TEAMS;
     const int ks = grid.ks;
     extern __shared__ __align__(16) uint32_t sa_smem[];
 

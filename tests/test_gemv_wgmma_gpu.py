@@ -216,12 +216,13 @@ def test_stamps_of_every_team(variant):
     assert cfg & SA_STAMP and bool(cfg & SA_ROTATE) == (variant == 73), cfg
     assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
     teams = decode_stamps(buf.cpu().tolist())
-    blocks, slices, _ = ext.gemv_sa_plan(4, 32, 8192, 1536, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks, slices, _ = ext.gemv_sa_plan(4, 32, 8192, 1536, sms)
     assert len(teams) == (2 if HOPPER else 8) * blocks, (len(teams), blocks)  # warpgroups or warps
     assert {tm["slice"] for tm in teams} == set(range(slices))
     for tm in teams:
         assert tm["start"] <= tm["first_unit"] <= tm["last_flush"] <= tm["end"], tm
-        assert tm["flushes"] >= 1 and tm["sm"] < torch.cuda.get_device_properties(0).multi_processor_count, tm
+        assert tm["flushes"] >= 1 and tm["sm"] < sms, tm
     assert summarize(teams)["span_us"] > 0
     buf.zero_()
     with ops.debug_variant(variant):
