@@ -1,7 +1,7 @@
 """When each team of the block-shared product starts, flushes last and ends (debug variants 72 / 73,
 kSaStamp in csrc/exl3_gemv_sa_kernel.cuh), summarised per product call.
 
-    python -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 73
+    python -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 73 [--dump teams.jsonl]
 
 Why: session 47's ncu had the SMs active on only 92% of the 32-row product's elapsed cycles,
 though every block has the same number of units. One JSON line per variant and call says how long
@@ -22,7 +22,8 @@ STAMP_WORDS = 8  # int64 words a team's stamps take (kSaStampWords)
 
 def decode_stamps(words: list[int]) -> list[dict]:
     """Teams' stamps from the buffer's words (8 a team; teams that wrote nothing are skipped):
-    SM, k slice, block index within the slice, flushes, and four times in ns."""
+    SM, k slice, block index within the slice and in the grid, units, flushes, and four times in
+    ns."""
     teams = []
     for i in range(0, len(words) - STAMP_WORDS + 1, STAMP_WORDS):
         meta = words[i] & (2**64 - 1)
@@ -30,7 +31,8 @@ def decode_stamps(words: list[int]) -> list[dict]:
             continue
         teams.append({"sm": meta & 0xFFF, "slice": meta >> 12 & 0xFFF, "block": meta >> 24 & 0xFFFF,
                       "flushes": meta >> 40 & 0xFFF, "start": words[i + 1], "first_unit": words[i + 2],
-                      "last_flush": words[i + 3], "end": words[i + 4]})
+                      "last_flush": words[i + 3], "end": words[i + 4], "grid_block": words[i + 5],
+                      "units": words[i + 6]})
     return teams
 
 
@@ -38,10 +40,12 @@ def _us(ns: float) -> float:
     return round(ns / 1000.0, 3)
 
 
-def summarize(teams: list[dict]) -> dict:
+def summarize(teams: list[dict], sms: int | None = None) -> dict:
     """How the call's time splits between its teams and SMs (all times in us from the first
     block's start): the span, how far block starts and team ends spread, how long each SM had no
-    team left while others ran (idle share of SM time), and team ends by flush count and slice."""
+    team left while others ran (idle share of SM time), and team ends by flush count and slice;
+    given the SM count, team ends and units by wave (0: the grid's first `sms` blocks, which the
+    GPU places first, one an SM)."""
     if not teams:
         return {"teams": 0}
     t0 = min(t["start"] for t in teams)
@@ -57,6 +61,15 @@ def summarize(teams: list[dict]) -> dict:
         by_flushes[t["flushes"]].append(t_end - t["end"])
         by_slice[t["slice"]].append(t_end - t["end"])
     slice_means = [statistics.mean(v) for v in by_slice.values()]
+    waves = {}
+    if sms:
+        by_wave = defaultdict(list)
+        for t in teams:
+            by_wave[min(t["grid_block"] // sms, 1)].append(t)
+        waves = {"end_before_last_us_by_wave": {str(w): _us(statistics.mean(t_end - t["end"] for t in ts))
+                                                for w, ts in sorted(by_wave.items())},
+                 "units_by_wave": {str(w): round(statistics.mean(t["units"] for t in ts), 2)
+                                   for w, ts in sorted(by_wave.items())}}
     return {
         "teams": len(teams), "sms": len(by_sm), "span_us": _us(span),
         "start_spread_us": _us(max(t["start"] for t in teams) - t0),
@@ -68,6 +81,7 @@ def summarize(teams: list[dict]) -> dict:
         "sm_idle_share": round(statistics.mean(idle) / span, 4) if span else 0.0,
         "end_before_last_us_by_flushes": {str(k): _us(statistics.mean(v)) for k, v in sorted(by_flushes.items())},
         "slice_end_spread_us": _us(max(slice_means) - min(slice_means)),
+        **waves,
     }
 
 
@@ -77,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--variants", nargs="+", type=int, default=[72, 73])
     ap.add_argument("--calls", type=int, default=3, help="stamped calls per variant (after 3 unstamped warm-ups)")
+    ap.add_argument("--old-weight", type=int, default=256,
+                    help="variants 74 / 75: the weight of the blocks placed first (256: even)")
+    ap.add_argument("--dump", default=None, help="also write every call's teams to this JSON-lines file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "sa_stamps", "error": "no CUDA device"}))
@@ -92,6 +109,9 @@ def main(argv=None) -> int:
     slots = 4096
     buf = torch.zeros(slots * STAMP_WORDS, dtype=torch.int64, device=dev)
     ext = ops.extension()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    dump = open(args.dump, "a") if args.dump else None
+    ext.set_sa_old_weight(args.old_weight)
     try:
         for variant in args.variants:
             with ops.debug_variant(variant):
@@ -103,10 +123,17 @@ def main(argv=None) -> int:
                     ops.exl3_gemm(x, t, mode="fused", int8=False, version=3)
                     torch.cuda.synchronize()
                     ext.set_sa_stamp_buffer(0, 0)
-                    print(json.dumps({"bench": "sa_stamps", "variant": variant, "shape": args.shape, "m": args.m,
-                                      "call": call, **summarize(decode_stamps(buf.cpu().tolist()))}), flush=True)
+                    teams = decode_stamps(buf.cpu().tolist())
+                    head = {"bench": "sa_stamps", "variant": variant, "shape": args.shape, "m": args.m,
+                            "old_weight": args.old_weight, "call": call}
+                    print(json.dumps({**head, **summarize(teams, sms)}), flush=True)
+                    if dump:
+                        dump.write(json.dumps({**head, "sms": sms, "teams": teams}) + "\n")
     finally:
         ext.set_sa_stamp_buffer(0, 0)
+        ext.set_sa_old_weight(256)
+        if dump:
+            dump.close()
     return 0
 
 

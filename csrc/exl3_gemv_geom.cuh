@@ -43,6 +43,8 @@ constexpr int kSaVarRotate = 70;         // debug: its shipped forms with each k
 constexpr int kSaVarWideRotate = 71;     // debug: 61 and 70 together (kSaWide | kSaRotate)
 constexpr int kSaVarStamp = 72;          // debug: its shipped four-group forms with each team's times (kSaStamp, bench/sa_stamps.py)
 constexpr int kSaVarRotateStamp = 73;    // debug: 70 with them (kSaRotate | kSaStamp)
+constexpr int kSaVarWaves = 74;          // debug: its shipped four-group forms with slices interleaved and weighted by wave (kSaWaveWeights)
+constexpr int kSaVarWavesStamp = 75;     // debug: 74 with stamps (kSaWaveWeights | kSaStamp)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -106,9 +106,10 @@ constexpr bool sa_forced(int variant) {
            variant == kSaVarWgmmaProducts || variant == kSaVarWgmmaNoA12 || variant == kSaVarNoSlice;
 }
 // The variants under which products take the shipped rules and forms (61 changes only the blocks,
-// 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps).
+// 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps, 74
+// and 75 weight the blocks by wave).
 constexpr bool sa_rules(int variant) {
-    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarRotateStamp);
+    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWavesStamp);
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -136,7 +137,11 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     // The prep wrote the activations in this form's layout, and MUL1's chunk sums (gemv_f16_acts)
     constexpr bool kRaw = CB == CB_MUL1 && !(CFG & kSaAffine);
     if (a.acts_wgmma != ((CFG & kSaWgmma) != 0) || (kRaw && !a.csum)) return cudaErrorInvalidValue;
-    const SaGrid gd = sa_grid<K, NG, CFG>(a);
+    SaGrid gd = sa_grid<K, NG, CFG>(a);
+    if constexpr ((CFG & kSaWaveWeights) != 0) {
+        gd.wave = a.num_sms > 0 ? a.num_sms : 132;
+        gd.old_w = sa_old_weight();
+    }
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
     const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS) * 4, S::BLOCKS_PER_SM);
@@ -257,6 +262,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == kSaVarNoLastFlush) return launch_gemv_sa_shipped<K, CB, NG, kSaNoLastFlush>(a, f, stream);
                 if (variant == kSaVarStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaStamp>(a, f, stream);
                 if (variant == kSaVarRotateStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate | kSaStamp>(a, f, stream);
+                if (variant == kSaVarWaves) return launch_gemv_sa_shipped<K, CB, NG, kSaWaveWeights>(a, f, stream);
+                if (variant == kSaVarWavesStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaWaveWeights | kSaStamp>(a, f, stream);
             }
         }
         if constexpr (NG == 4) {

@@ -144,23 +144,37 @@ namespace trellis {
 // 28 at 28672), and every team's last flush falls at the kernel's end. Session 28 put the
 // workspace atomics at ~4-8 us of 32 rows, rising with the slices more than with the flushes; a
 // vector flush with a quarter of the requests measured slower (session 29), so the requests'
-// number is not the cost. Rotated, the slices' concurrent flushes land on different columns. Not
-// yet run on a GPU (csrc/PERF_NOTES.md, session 53).
+// number is not the cost. Rotated, the slices' concurrent flushes land on different columns.
+// Measured (H100, session 54, two passes): no faster (32 rows of 8192x28672 70.1-70.3 us against
+// 70.6-70.7; 28672x8192 the same; 4096x28672 2% slower), decode at batch 16 / 32 within 1%, ncu's
+// elapsed and SM active cycles the same: same-address flushes are not the cost.
 // Timing probes of the wgmma form (wrong results; session 53): kSaNoTail (debug variant 68: no
 // flush at all, the bound of any flush change) and kSaNoLastFlush (69: no flush of each team's
-// last column unit, the burst at the kernel's end).
+// last column unit, the burst at the kernel's end). Measured (H100, session 54, 32 rows): 68 took
+// 8192x28672 from 70.6-70.7 us to 64.2-66.3, 28672x8192 from 73.4-75.6 to 65.6-67.1, 4096x28672
+// from 41.7 to 39.2; 69 to 67.8-69.5, 71.7 and 39.1 (on the last, the last flush is all of it).
 // CFG 4194304 (kSaStamp, debug variants 72 / 73 with the shipped / rotated four-group forms;
 // session 53): each team's lane 0 of its first warp writes when its block started, when its first
 // unit was done, when its last flush began and when it ended (%globaltimer, ns), with its SM, k
-// slice, block index and flush count, into the buffer set_sa_stamp_buffer names (passed as
+// slice, block index (in its slice and in the grid), units and flush count, into the buffer
+// set_sa_stamp_buffer names (passed as
 // `counters`, which split products do not use; nothing is written without one). Why: session 47's
 // ncu had the SMs active on only 92% of the 32-row product's elapsed cycles though every block
 // has the same units; bench/sa_stamps.py says which blocks end early, and whether their slices,
 // flush counts or SMs explain it.
+// CFG 8388608 (kSaWaveWeights, debug variants 74 / 75, the latter with stamps; session 54): the
+// blocks of a slice are every nsl-th block (slice bx mod nsl, not bx / nb), so that each slice has
+// blocks of both halves of the grid, and a slice's units are cut in proportion to weights: old_w /
+// 256 for a block among the grid's first `wave` (the device's SMs: the blocks placed first, one an
+// SM), 1 for the others (set_sa_old_weight; 256 cuts them evenly). Why: session 54's stamps (H100,
+// 32 rows of 8192x28672) had the k slices' mean ends 14 us apart and half the teams done 13.6 us
+// before the last, while SMs sat idle only 4% of the time: on each SM one block finishes well
+// before the other, whose two teams then run alone at half the warps. If the SM's schedulers
+// favour the block placed first, giving it more units evens the ends.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152,
-              kSaStamp = 4194304;
+              kSaStamp = 4194304, kSaWaveWeights = 8388608;
 constexpr int kSaStampWords = 8;  // uint64 words a team's stamps take (kSaStamp)
 __device__ __forceinline__ uint64_t sa_globaltimer() {
     uint64_t t;
@@ -201,6 +215,8 @@ struct SaGrid {
     int nseg = 1;               // segments of a grouped product
     int seg_grp[5] = {};        // first column group of segment s; seg_grp[nseg] = all groups
     int seg_blocks[4] = {};     // blocks per slice of segment s
+    int wave = 0;               // kSaWaveWeights: the blocks placed first (one an SM) ...
+    int old_w = 256;            // ... and their weight (256: as the others)
 };
 
 template <int K, int CB, int NG, int CFG>
@@ -243,7 +259,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     int bx = blockIdx.x, seg = 0;
     while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
     const int nb = grid.seg_blocks[seg];
-    const int slice = bx / nb, bi = bx - slice * nb;
+    constexpr bool kWaves = (CFG & kSaWaveWeights) != 0;
+    const int slice = kWaves ? bx % grid.nsl : bx / nb, bi = kWaves ? bx / grid.nsl : bx - slice * nb;
     // k rows [r0, r0 + nr), whole 128-input chunks (the prep's sums are a chunk's), in units of KR
     // rows: unit row ur covers k rows r0 + KR ur ..
     const int r0 = 8 * (int)((long)(tk / 8) * slice / grid.nsl);
@@ -257,7 +274,12 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int n_cu = kRot ? (grid.seg_grp[seg + 1] - g_first) / GW : 0;
     const int rot = kRot ? (int)((long)n_cu * slice / grid.nsl) : 0;
     const int g_wrap = g_first + GW * n_cu;
-    const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
+    // kSaWaveWeights: the slice's blocks j < n_old are among the grid's first `wave`; block j's
+    // range starts at the weights of blocks 0..j - 1 over all nb
+    const int n_old = kWaves ? min(nb, max(0, grid.wave - ((int)blockIdx.x - bx) - slice + grid.nsl - 1) / grid.nsl) : 0;
+    auto weight_before = [&](int j) { return (long)min(j, n_old) * grid.old_w + (long)max(0, j - n_old) * 256; };
+    const long b0 = kWaves ? units * weight_before(bi) / weight_before(nb) : units * bi / nb;
+    const long b1 = kWaves ? units * weight_before(bi + 1) / weight_before(nb) : units * (bi + 1) / nb;
     auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
     const long u0 = team_first(team), u1 = team_first(team + 1);
     const int n_units = (int)(u1 - u0);
@@ -539,6 +561,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
             stamp[3] = sa_globaltimer();
 #pragma unroll
             for (int j = 0; j < 4; ++j) out_stamps[1 + j] = stamp[j];
+            out_stamps[5] = blockIdx.x;
+            out_stamps[6] = (uint64_t)n_units;
         }
     }
     wait_all_parts();
