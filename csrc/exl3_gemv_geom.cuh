@@ -45,6 +45,7 @@ constexpr int kSaVarStamp = 72;          // debug: its shipped four-group forms 
 constexpr int kSaVarRotateStamp = 73;    // debug: 70 with them (kSaRotate | kSaStamp)
 constexpr int kSaVarWaves = 74;          // debug: its shipped four-group forms with slices interleaved and weighted by wave (kSaWaveWeights)
 constexpr int kSaVarWavesStamp = 75;     // debug: 74 with stamps (kSaWaveWeights | kSaStamp)
+constexpr int kSaVarWideStamp = 76;      // debug: 61 with stamps (kSaWide | kSaStamp)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;
@@ -64,12 +65,20 @@ inline bool debug_variant_built(int variant) {
 // (gv_in_finish), as every kernel had it until session 38: the baseline of that change, and the
 // form a shipped-schedule product takes when it runs unsplit (gemv_split_finish below its path's
 // setting; debug builds only, a shipped build splits regardless).
+// Debug variant 77 (kGvVarWideBlock, session 54) runs the shipped kernels in blocks of 16 warps,
+// one an SM, instead of two blocks of 8: the same warps, units and shared memory an SM. Why: the
+// block-shared product's stamps (session 54, H100) showed that of an SM's two blocks the one placed
+// first (0.17 us earlier) ends first on every SM, ~13.5 us before the other, whose warps then run
+// alone: the schedulers favour the older block's warps, and a kernel bound by instruction issue
+// ends with half its warps. A block's warps start together.
 constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47,
-              kGvVarF16NoA12 = 64;
+              kGvVarF16NoA12 = 64, kGvVarWideBlock = 77;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
     return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail ||
-           var == kGvVarInFinish || var == kGvVarF16NoA12;
+           var == kGvVarInFinish || var == kGvVarF16NoA12 || var == kGvVarWideBlock;
 }
+// Warps a block of the per-warp kernel under debug variant VAR.
+__host__ __device__ constexpr int gv_block_warps(int var) { return var == kGvVarWideBlock ? 2 * kGvWarps : kGvWarps; }
 // Whether a per-warp kernel has its warps' output stage (the warp that completes a 128-column block
 // transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug
 // variants off the shipped schedule; kGvVarInFinish). Why: in the split products, where it never

@@ -107,9 +107,9 @@ constexpr bool sa_forced(int variant) {
 }
 // The variants under which products take the shipped rules and forms (61 changes only the blocks,
 // 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps, 74
-// and 75 weight the blocks by wave).
+// and 75 weight the blocks by wave, 76 stamps wide blocks).
 constexpr bool sa_rules(int variant) {
-    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWavesStamp);
+    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWideStamp);
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -264,6 +264,7 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == kSaVarRotateStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate | kSaStamp>(a, f, stream);
                 if (variant == kSaVarWaves) return launch_gemv_sa_shipped<K, CB, NG, kSaWaveWeights>(a, f, stream);
                 if (variant == kSaVarWavesStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaWaveWeights | kSaStamp>(a, f, stream);
+                if (variant == kSaVarWideStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaWide | kSaStamp>(a, f, stream);
             }
         }
         if constexpr (NG == 4) {

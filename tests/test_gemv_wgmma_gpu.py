@@ -128,7 +128,8 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 # Debug variants that change the shipped forms' blocks or unit order, not their sums: the bits
 # each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
 _BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE),
-                   72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP), 74: (0, SA_WAVES), 75: (0, SA_WAVES | SA_STAMP)}
+                   72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP), 74: (0, SA_WAVES), 75: (0, SA_WAVES | SA_STAMP),
+                   76: (0, SA_WIDE | SA_STAMP)}
 
 
 @pytest.mark.parametrize("variant,n_in,n_out", [(v, i, o) for v in _BLOCK_VARIANTS
