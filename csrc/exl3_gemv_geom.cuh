@@ -46,6 +46,9 @@ constexpr int kSaVarRotateStamp = 73;    // debug: 70 with them (kSaRotate | kSa
 constexpr int kSaVarWaves = 74;          // debug: its shipped four-group forms with slices interleaved and weighted by wave (kSaWaveWeights)
 constexpr int kSaVarWavesStamp = 75;     // debug: 74 with stamps (kSaWaveWeights | kSaStamp)
 constexpr int kSaVarWideStamp = 76;      // debug: 61 with stamps (kSaWide | kSaStamp)
+// 77: kGvVarWideBlock (below)
+constexpr int kSaVarTwin = 78;           // debug: its shipped forms with the grid's blocks two to a launched block of 16 warps (kSaTwin)
+constexpr int kSaVarTwinStamp = 79;      // debug: 78 with stamps (kSaTwin | kSaStamp)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -18,7 +18,8 @@ int sa_slice_rows(int tk) {
     const SmemLimits lim = device_smem_limits();
     const int sm_share = lim.per_sm / S::BLOCKS_PER_SM - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
-    const int budget = two ? sm_share : lim.per_block;
+    // (kSaTwin: what the second half leaves, after the first's HALF_WORDS)
+    const int budget = (two ? sm_share : lim.per_block) - (S::HALVES - 1) * S::HALF_WORDS * 4;
     const int fit = (budget / 4 - S::RING_WORDS - S::EXTRA_WORDS) / S::BROW;
     const int ks = (fit < S::KS ? fit : S::KS) & ~7;
     return ks < 16 ? 0 : (ks < tk ? ks : tk);
@@ -107,9 +108,10 @@ constexpr bool sa_forced(int variant) {
 }
 // The variants under which products take the shipped rules and forms (61 changes only the blocks,
 // 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps, 74
-// and 75 weight the blocks by wave, 76 stamps wide blocks).
+// and 75 weight the blocks by wave, 76 stamps wide blocks, 78 and 79 launch blocks two to one).
 constexpr bool sa_rules(int variant) {
-    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWideStamp);
+    return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarWideStamp) ||
+           variant == kSaVarTwin || variant == kSaVarTwinStamp;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -144,7 +146,9 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     }
     long blocks = 0;
     for (int s = 0; s < gd.nseg; ++s) blocks += (long)gd.nsl * gd.seg_blocks[s];
-    const size_t smem = gv_capped_smem(((size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS) * 4, S::BLOCKS_PER_SM);
+    // kSaTwin: the grid's blocks two to a launched block, each half with shared memory of its own
+    const size_t words = (size_t)(S::HALVES - 1) * S::HALF_WORDS + (size_t)gd.ks * S::BROW + S::RING_WORDS + S::EXTRA_WORDS;
+    const size_t smem = gv_capped_smem(words * 4, S::BLOCKS_PER_SM / S::HALVES);
     // finish_rows 0: the kernel leaves the output transform to gv_finish_kernel (gemv_split_finish).
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.
@@ -157,7 +161,8 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     int* counters = a.counters;
     if constexpr ((CFG & kSaStamp) != 0)
         counters = blocks * S::TEAMS <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
-    const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)blocks), dim3(S::WARPS * 32),
+    const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)((blocks + S::HALVES - 1) / S::HALVES)),
+                                          dim3(S::HALVES * S::WARPS * 32),
                                           smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
                                           a.bias, counters, a.early_trigger, split ? 0 : gemv_finish_rows(), gd);
     return e != cudaSuccess || !split ? e : launch_gv_finish(a, stream);
@@ -256,6 +261,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
         if constexpr (kDebugVariants && K == 4 && CB == CB_MUL1 && NG >= 2) {
             if (variant == kSaVarWide) return launch_gemv_sa_shipped<K, CB, NG, kSaWide>(a, f, stream);
             if (variant == kSaVarRotate) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate>(a, f, stream);
+            if (variant == kSaVarTwin) return launch_gemv_sa_shipped<K, CB, NG, kSaTwin>(a, f, stream);
+            if (variant == kSaVarTwinStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaTwin | kSaStamp>(a, f, stream);
             if constexpr (NG == 4) {
                 if (variant == kSaVarWideRotate) return launch_gemv_sa_shipped<K, CB, NG, kSaWide | kSaRotate>(a, f, stream);
                 if (variant == kSaVarNoTail) return launch_gemv_sa_shipped<K, CB, NG, kSaNoTail>(a, f, stream);

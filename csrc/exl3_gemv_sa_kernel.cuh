@@ -170,11 +170,18 @@ namespace trellis {
 // 32 rows of 8192x28672) had the k slices' mean ends 14 us apart and half the teams done 13.6 us
 // before the last, while SMs sat idle only 4% of the time: on each SM one block finishes well
 // before the other, whose two teams then run alone at half the warps. If the SM's schedulers
-// favour the block placed first, giving it more units evens the ends.
+// favour the block placed first, giving it more units evens the ends. Measured (H100, session 54):
+// a loss, 6-26% slower at weights 1.25-1.75 (csrc/PERF_NOTES.md).
+// CFG 16777216 (kSaTwin, debug variants 78 / 79, the latter with stamps; session 54): the grid's
+// blocks two to a block of 16 warps, one an SM: warps 8 h .. 8 h + 7 of block b work as block 2 b
+// + h would (its slice, units, shared memory and barriers of its own). Why: of an SM's two
+// blocks the one placed first ends first on every SM (session 54's stamps), ~13.5 us before the
+// other, whose teams then run alone at half the warps; a block's warps start together, and a
+// block's two teams ended within 1.8 us of each other on average.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152,
-              kSaStamp = 4194304, kSaWaveWeights = 8388608;
+              kSaStamp = 4194304, kSaWaveWeights = 8388608, kSaTwin = 16777216;
 constexpr int kSaStampWords = 8;  // uint64 words a team's stamps take (kSaStamp)
 __device__ __forceinline__ uint64_t sa_globaltimer() {
     uint64_t t;
@@ -187,9 +194,11 @@ struct SaShape {
     // tiles per unit: 16 * NG * CT accumulators
     static constexpr int CT = CFG & kSaTwoTiles ? 2 : NG == 4 || C >= 2 ? 4 : 8;
     static constexpr int KR = C % 2 ? 1 : (NG == 4 && K <= 4 && !(CFG & kSaTwoRows) ? 4 : 2);  // k rows per unit
-    // warps a block, and blocks an SM the grid is sized for (and the launch bounds ask)
+    // warps a block, and blocks an SM the grid is sized for; kSaTwin: those blocks (warps and
+    // blocks here) two to a launched block of HALVES x WARPS warps, one an SM
     static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;
     static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : 2;
+    static constexpr int HALVES = CFG & kSaTwin ? 2 : 1;
     // warps a team (a warpgroup in the wgmma form, else one warp), and teams a block
     static constexpr int GW = CFG & kSaWgmma ? 4 : 1;
     static constexpr int TEAMS = WARPS / GW;
@@ -206,6 +215,10 @@ struct SaShape {
     // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
     // the row sums' one
     static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
+    // kSaTwin: where the second half's shared memory starts (after a slice of KS k rows, the
+    // ring and the extra words, rounded to 512 bytes so that its slice and mbarriers stay aligned;
+    // a compile-time stride keeps the halves' addresses in uniform registers)
+    static constexpr int HALF_WORDS = (KS * BROW + RING_WORDS + EXTRA_WORDS + 127) / 128 * 128;
 };
 
 // Where each block of the grid works (host-computed, see sa_grid).
@@ -220,7 +233,8 @@ struct SaGrid {
 };
 
 template <int K, int CB, int NG, int CFG>
-__global__ void __launch_bounds__(SaShape<K, NG, CFG>::WARPS * 32, SaShape<K, NG, CFG>::BLOCKS_PER_SM)
+__global__ void __launch_bounds__(SaShape<K, NG, CFG>::HALVES * SaShape<K, NG, CFG>::WARPS * 32,
+                                  SaShape<K, NG, CFG>::BLOCKS_PER_SM / SaShape<K, NG, CFG>::HALVES)
 exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ csum, const uint32_t* __restrict__ trellis,
                     float* __restrict__ z, int m, int in, int out, half* __restrict__ y, int ldy,
                     const half* __restrict__ svh, const half* __restrict__ bias, int* __restrict__ counters,
@@ -250,21 +264,29 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const Mul1SumSelect tc_select(lane);
     // With wgmma the warp index comes from lane 0, so that ptxas knows it and all derived from it to
     // be warp-uniform and keeps the descriptors in uniform registers (bench/wgmma_probe.cu).
-    const int warp = WG ? __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) : (int)threadIdx.x >> 5;
+    const int block_warp = WG ? __shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) : (int)threadIdx.x >> 5;
+    // kSaTwin: this warp's half of the block works as grid block vblock, as its warp `warp`, thread
+    // tid (derived from the warp index, so uniform where it is)
+    constexpr bool kTwin = S::HALVES > 1;
+    const int half = kTwin ? block_warp / S::WARPS : 0;
+    const int warp = kTwin ? block_warp % S::WARPS : block_warp;
+    const unsigned tid = kTwin ? threadIdx.x - (unsigned)(half * kThreads) : threadIdx.x;
+    const int vblock = kTwin ? 2 * (int)blockIdx.x + half : (int)blockIdx.x;
     const int wi = warp % GW, team = warp / GW;
     const int tk = in >> 4;
     const int tn = out >> 4;
 
     // This block's segment, k slice and range of units.
-    int bx = blockIdx.x, seg = 0;
+    int bx = vblock, seg = 0;
     while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
     const int nb = grid.seg_blocks[seg];
+    const bool live = !kTwin || bx < grid.nsl * nb;  // kSaTwin: an odd grid's last half has no block
     constexpr bool kWaves = (CFG & kSaWaveWeights) != 0;
     const int slice = kWaves ? bx % grid.nsl : bx / nb, bi = kWaves ? bx / grid.nsl : bx - slice * nb;
     // k rows [r0, r0 + nr), whole 128-input chunks (the prep's sums are a chunk's), in units of KR
     // rows: unit row ur covers k rows r0 + KR ur ..
     const int r0 = 8 * (int)((long)(tk / 8) * slice / grid.nsl);
-    const int nr = 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0;
+    const int nr = live ? 8 * (int)((long)(tk / 8) * (slice + 1) / grid.nsl) - r0 : 0;
     const int nru = nr / KR;
     const int g_first = grid.seg_grp[seg];
     const long units = (long)(grid.seg_grp[seg + 1] - g_first) / GW * nru;
@@ -276,7 +298,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int g_wrap = g_first + GW * n_cu;
     // kSaWaveWeights: the slice's blocks j < n_old are among the grid's first `wave`; block j's
     // range starts at the weights of blocks 0..j - 1 over all nb
-    const int n_old = kWaves ? min(nb, max(0, grid.wave - ((int)blockIdx.x - bx) - slice + grid.nsl - 1) / grid.nsl) : 0;
+    const int n_old = kWaves ? min(nb, max(0, grid.wave - (vblock - bx) - slice + grid.nsl - 1) / grid.nsl) : 0;
     auto weight_before = [&](int j) { return (long)min(j, n_old) * grid.old_w + (long)max(0, j - n_old) * 256; };
     const long b0 = kWaves ? units * weight_before(bi) / weight_before(nb) : units * bi / nb;
     const long b1 = kWaves ? units * weight_before(bi + 1) / weight_before(nb) : units * (bi + 1) / nb;
@@ -288,12 +310,12 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     int n_flushes = 0;
     if constexpr (kStamp) stamp[0] = sa_globaltimer();
 
-    const int acts = 0;               // the slice's fragments: nr * BROW words
-    const int ring = ks * BROW + warp * NS * SW;
-    float* row_sums = reinterpret_cast<float*>(sa_smem + ks * BROW + S::RING_WORDS);  // [32], RAW
+    const int acts = half * S::HALF_WORDS;  // the slice's fragments: nr * BROW words
+    const int ring = acts + ks * BROW + warp * NS * SW;
+    float* row_sums = reinterpret_cast<float*>(sa_smem + acts + ks * BROW + S::RING_WORDS);  // [32], RAW
     const uint32_t ring_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ring));
     const uint32_t acts_sa = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts));
-    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + ks * BROW + S::RING_WORDS + 32));
+    const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(sa_smem + acts + ks * BROW + S::RING_WORDS + 32));
 
     // The slice in parts of 8 << part_shift k rows (at most PARTS), each copied in bulk by thread 0
     // and counted on its mbarrier; the row sums on one more (kSumsBar), which every thread
@@ -314,7 +336,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     auto wait_part = [&](int row) { wait_bar(row >> part_shift); };  // the part holding k row `row` of the slice
     constexpr int kSumsBar = S::PARTS;
     if constexpr (kParts) {
-        if (threadIdx.x == 0) {
+        if (tid == 0) {
             for (int j = 0; j < n_parts; ++j) mbar_init(bars + 8 * j, 1);
             if (RAW) mbar_init(bars + 8 * kSumsBar, kThreads);
             mbar_init_fence();
@@ -330,7 +352,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
         if constexpr (RAW && kSlice) {
 #pragma unroll
             for (int o = kPerRow / 2; o > 0; o >>= 1) sum_share += __shfl_xor_sync(0xffffffffu, sum_share, o);
-            if (threadIdx.x % kPerRow == 0) row_sums[threadIdx.x / kPerRow] = sum_share;
+            if (tid % kPerRow == 0) row_sums[tid / kPerRow] = sum_share;
             if constexpr (kParts) mbar_arrive(bars + 8 * kSumsBar);
         }
     };
@@ -378,7 +400,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     if constexpr (kSlice) {
         const uint32_t* src = xb + ((size_t)seg * tk + r0) * BROW;
         if constexpr (kParts) {
-            if (threadIdx.x == 0) {
+            if (tid == 0) {
                 for (int j = 0; j < n_parts; ++j) {
                     const int row = j << part_shift, rows = min(1 << part_shift, nr - row);
                     const uint32_t bytes = (uint32_t)(rows * BROW * 4);
@@ -387,11 +409,11 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 }
             }
         } else {
-            for (int w = 4 * (int)threadIdx.x; w < nr * BROW; w += 4 * kThreads) gv_cp16(acts_sa + w * 4, src + w);
+            for (int w = 4 * (int)tid; w < nr * BROW; w += 4 * kThreads) gv_cp16(acts_sa + w * 4, src + w);
             cp_async_commit();
         }
         if constexpr (RAW) {  // (loaded now, summed and stored after the first unit)
-            const int row = threadIdx.x / kPerRow, c = threadIdx.x % kPerRow;
+            const int row = tid / kPerRow, c = tid % kPerRow;
             if (row < m && c < nr / 8) sum_share = __ldcg(csum + ((size_t)seg * m + row) * (in >> 7) + r0 / 8 + c);
         }
         if constexpr (!kParts) {
@@ -402,7 +424,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     }
     // Thread 0 waits for every part before it leaves: a block must not end under its copies.
     auto wait_all_parts = [&]() {
-        if (kParts && threadIdx.x == 0)
+        if (kParts && tid == 0)
             for (int j = 0; j < n_parts; ++j) wait_bar(j);
     };
     if (n_units <= 0) {
@@ -555,13 +577,13 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
         if (counters && wi == 0 && lane == 0) {
             uint32_t smid;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-            uint64_t* out_stamps = reinterpret_cast<uint64_t*>(counters) + ((size_t)blockIdx.x * kTeams + team) * kSaStampWords;
+            uint64_t* out_stamps = reinterpret_cast<uint64_t*>(counters) + ((size_t)vblock * kTeams + team) * kSaStampWords;
             out_stamps[0] = 1ull << 63 | (uint64_t)(n_flushes & 0xfff) << 40 | (uint64_t)(bi & 0xffff) << 24 |
                             (uint64_t)(slice & 0xfff) << 12 | (smid & 0xfff);
             stamp[3] = sa_globaltimer();
 #pragma unroll
             for (int j = 0; j < 4; ++j) out_stamps[1 + j] = stamp[j];
-            out_stamps[5] = blockIdx.x;
+            out_stamps[5] = (uint64_t)vblock;
             out_stamps[6] = (uint64_t)n_units;
         }
     }

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_TWO_TILES,  # noqa: E402
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_TWIN, SA_TWO_TILES,  # noqa: E402
                                SA_WAVES, SA_WGMMA, SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
@@ -129,7 +129,7 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 # each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
 _BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE),
                    72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP), 74: (0, SA_WAVES), 75: (0, SA_WAVES | SA_STAMP),
-                   76: (0, SA_WIDE | SA_STAMP)}
+                   76: (0, SA_WIDE | SA_STAMP), 78: (SA_TWIN, SA_TWIN), 79: (SA_TWIN | SA_STAMP, SA_TWIN | SA_STAMP)}
 
 
 @pytest.mark.parametrize("variant,n_in,n_out", [(v, i, o) for v in _BLOCK_VARIANTS
@@ -139,7 +139,8 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     (kSaRotate: each k slice's units start whole column units further on and wrap), 71 (both), 72
     and 73 (the shipped and rotated four-group forms with stamps, no buffer set: none written), 74
     and 75 (kSaWaveWeights: interleaved slices, the first wave's blocks weighted 1.5, stamps in 75),
-    at two and four row groups (12, 17, 24 and 32 rows), with many k slices of uneven length
+    76 (61 with stamps), 78 and 79 (kSaTwin: the grid's blocks two to a launched block, an odd
+    grid's last half idle; stamps in 79), at two and four row groups (12, 17, 24 and 32 rows), with many k slices of uneven length
     (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the
     reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
     shipped form (a row's chunk sums would span two warps in a wide block)."""
@@ -170,17 +171,18 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("variant,weight", [(70, 256), (71, 256), (74, 384), (74, 160)])
+@pytest.mark.parametrize("variant,weight", [(70, 256), (71, 256), (74, 384), (74, 160), (78, 256)])
 def test_reordered_units_of_grouped_members(variant, weight):
-    """Rotation (70, 71) wraps inside each member of a grouped product, and wave weights (74, the
-    first wave's blocks weighted 1.5 or 0.625) cut each member's slices whole (gate/up- and
+    """Rotation (70, 71) wraps inside each member of a grouped product, wave weights (74, the
+    first wave's blocks weighted 1.5 or 0.625) cut each member's slices whole, and twin blocks (78)
+    may hold blocks of two members (gate/up- and
     q/k/v-like, K = 4 MUL1, 8,192 inputs so several k slices, members of unequal widths on whole
     wgmma units): every member matches its reference product at 12, 24 and 32 rows, and the
     kernels that ran carry the variant's bit."""
     members = [rand_layer(8192, n, 4, "mul1", seed=90 + i, bias=(i == 1)) for i, n in enumerate((1024, 512, 768))]
     g = ops.join_linears(members)
     ext = ops.extension()
-    bit = SA_WAVES if variant == 74 else SA_ROTATE
+    bit = {74: SA_WAVES, 78: SA_TWIN}.get(variant, SA_ROTATE)
     try:
         ext.set_gemv_shared_acts(2)
         ext.set_sa_old_weight(weight)
@@ -189,7 +191,7 @@ def test_reordered_units_of_grouped_members(variant, weight):
             with ops.debug_variant(variant):
                 cfgs = _sa_cfgs(lambda: ops.exl3_gemm_group(x, g, int8=False))
                 got = ops.exl3_gemm_group(x, g, int8=False)
-            want_bit = bit if variant == 70 or rows > 16 else 0
+            want_bit = bit if variant in (70, 78) or rows > 16 else 0
             assert cfgs and all((c & bit) == want_bit for c in cfgs), (rows, cfgs)
             for m, y in zip(members, got):
                 assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
@@ -199,9 +201,9 @@ def test_reordered_units_of_grouped_members(variant, weight):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("variant", [72, 73, 75])
+@pytest.mark.parametrize("variant", [72, 73, 75, 79])
 def test_stamps_of_every_team(variant):
-    """Debug variants 72 / 73 / 75 (kSaStamp) with a buffer set: every team of the 32-row product
+    """Debug variants 72 / 73 / 75 / 79 (kSaStamp) with a buffer set: every team of the 32-row product
     (two warpgroups a block on Hopper, else eight warps) writes its SM, slice, blocks, units and
     flush count and four times in order, which bench/sa_stamps.py reads; the product stays right,
     and without a buffer nothing is written. Under 75 (wave weights, the first wave's blocks
@@ -225,6 +227,7 @@ def test_stamps_of_every_team(variant):
     finally:
         ext.set_sa_stamp_buffer(0, 0)
     assert cfg & SA_STAMP and bool(cfg & SA_ROTATE) == (variant == 73) and bool(cfg & SA_WAVES) == (variant == 75), cfg
+    assert bool(cfg & SA_TWIN) == (variant == 79), cfg
     assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t)) < 2e-3
     teams = decode_stamps(buf.cpu().tolist())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
