@@ -10,8 +10,9 @@
 # 1. 77 against shipped at 1 / 4 / 8 rows, 78 at 32 rows and at 12 / 17 / 24 rows, of the three
 #    largest shapes (bench.linear checks each variant's product against the reference first).
 # 2. Stamps (teams dumped to $OUT/teams.jsonl) of 72 / 79 / 76 at 32 rows of 8192x28672.
-# 3. The GPU tests of the block variants and stamps; then a second pass of 1; decode at batch 16 /
-#    32 under 0 / 78 and at batch 1 / 8 under 0 / 77.
+# 3. The GPU tests of the block variants, stamps and 77; then a second pass of 1; decode at batch
+#    16 / 32 under 0 / 78 and at batch 1 / 8 under 0 / 77 (decode chains take 77 too at the
+#    default split finish, 5).
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
 ab() {  # label, variant, rows, shapes...
   local label=$1 v=$2 rows=$3; shift 3
@@ -25,7 +26,8 @@ ab "pass 1" 78 32 8192x28672 28672x8192 4096x28672
 echo "== stamps 72 / 79 / 76, 32 rows of 8192x28672 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 79 76 --calls 2 --dump $OUT/teams.jsonl 2>&1 | tail -6 | tee -a $L
 ab "pass 1" 78 "12 17 24" 8192x28672 28672x8192 4096x28672
-some_gpu_tests 120 pytest_variants.txt "block_variants or reordered or stamps" tests/test_gemv_wgmma_gpu.py
+some_gpu_tests 150 pytest_variants.txt "block_variants or reordered or stamps or sixteen_warps" tests/test_gemv_wgmma_gpu.py \
+  tests/test_ops_gpu.py
 ab "pass 2" 77 "1 4 8" 8192x28672 28672x8192 4096x28672
 ab "pass 2" 78 32 8192x28672 28672x8192 4096x28672
 [ $(left) -gt 100 ] && synth_llama

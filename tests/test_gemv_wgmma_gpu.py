@@ -140,8 +140,9 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     and 73 (the shipped and rotated four-group forms with stamps, no buffer set: none written), 74
     and 75 (kSaWaveWeights: interleaved slices, the first wave's blocks weighted 1.5, stamps in 75),
     76 (61 with stamps), 78 and 79 (kSaTwin: the grid's blocks two to a launched block, an odd
-    grid's last half idle; stamps in 79), at two and four row groups (12, 17, 24 and 32 rows), with many k slices of uneven length
-    (14,336 and 8,192 inputs) and one chunk of 128 inputs, MUL1's row sums in play: the
+    grid's last half idle; stamps in 79), at two and four row groups (12, 17, 24 and 32 rows),
+    with many k slices of uneven length (14,336 and 8,192 inputs) and one chunk of 128 inputs,
+    MUL1's row sums in play: the
     reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
     shipped form (a row's chunk sums would span two warps in a wide block)."""
     ext = ops.extension()
