@@ -204,8 +204,6 @@ def main(argv=None) -> int:
                     help="events: Python-issued calls (host cost included); graph: replay of captured calls (GPU only)")
     ap.add_argument("--min-units", type=int, default=None,
                     help="version-3 product: fewest units per warp when the launcher shrinks the grid (default 8)")
-    ap.add_argument("--sa-old-weight", type=int, default=None,
-                    help="block-shared product, debug variants 74 / 75: the weight of the blocks placed first (256: even)")
     ap.add_argument("--variants", nargs="+", type=int, default=None,
                     help="also time these occupancy configurations of the fused kernel (10 + CFG, K = 4), "
                          "each checked against the reference first")
@@ -219,9 +217,6 @@ def main(argv=None) -> int:
     if args.min_units is not None:
         from engine import ops
         ops.extension().set_gemv_min_units(args.min_units)
-    if args.sa_old_weight is not None:
-        from engine import ops
-        ops.extension().set_sa_old_weight(args.sa_old_weight)
     print(json.dumps({"bench": "linear", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "check_rel_rms_8192x28672_K4_m8": round(check_once(8192, 28672, 4, "mul1", 8), 6),
                       "check_rel_rms_8192x28672_K4_m1": round(check_once(8192, 28672, 4, "mul1", 1), 6),

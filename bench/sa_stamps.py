@@ -91,8 +91,6 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--variants", nargs="+", type=int, default=[72, 73])
     ap.add_argument("--calls", type=int, default=3, help="stamped calls per variant (after 3 unstamped warm-ups)")
-    ap.add_argument("--old-weight", type=int, default=256,
-                    help="variants 74 / 75: the weight of the blocks placed first (256: even)")
     ap.add_argument("--dump", default=None, help="also write every call's teams to this JSON-lines file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -111,7 +109,6 @@ def main(argv=None) -> int:
     ext = ops.extension()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     dump = open(args.dump, "a") if args.dump else None
-    ext.set_sa_old_weight(args.old_weight)
     try:
         for variant in args.variants:
             with ops.debug_variant(variant):
@@ -125,13 +122,12 @@ def main(argv=None) -> int:
                     ext.set_sa_stamp_buffer(0, 0)
                     teams = decode_stamps(buf.cpu().tolist())
                     head = {"bench": "sa_stamps", "variant": variant, "shape": args.shape, "m": args.m,
-                            "old_weight": args.old_weight, "call": call}
+                            "call": call}
                     print(json.dumps({**head, **summarize(teams, sms)}), flush=True)
                     if dump:
                         dump.write(json.dumps({**head, "sms": sms, "teams": teams}) + "\n")
     finally:
         ext.set_sa_stamp_buffer(0, 0)
-        ext.set_sa_old_weight(256)
         if dump:
             dump.close()
     return 0

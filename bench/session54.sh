@@ -1,6 +1,7 @@
 #!/bin/bash
-# Session 54's device call. Carry .devcarry/shared; at most ~CALL_S seconds, default 480; GOALS=0
-# unless asked.
+# Session 54's device call (ran at 70caf20, on an H100; variants 74 / 75 and --sa-old-weight have
+# been removed since, so it runs no longer). Carry .devcarry/shared; at most ~CALL_S seconds,
+# default 480; GOALS=0 unless asked.
 # Question: session 54's stamps (H100, 32 rows of 8192x28672) had the k slices' mean ends 14 us
 # apart and half the teams done 13.6 us before the last while SMs idled only 4%: does one block of
 # each SM (the one placed first?) finish early, leaving the other's teams alone at half the warps?

@@ -162,16 +162,11 @@ namespace trellis {
 // ncu had the SMs active on only 92% of the 32-row product's elapsed cycles though every block
 // has the same units; bench/sa_stamps.py says which blocks end early, and whether their slices,
 // flush counts or SMs explain it.
-// CFG 8388608 (kSaWaveWeights, debug variants 74 / 75, the latter with stamps; session 54): the
-// blocks of a slice are every nsl-th block (slice bx mod nsl, not bx / nb), so that each slice has
-// blocks of both halves of the grid, and a slice's units are cut in proportion to weights: old_w /
-// 256 for a block among the grid's first `wave` (the device's SMs: the blocks placed first, one an
-// SM), 1 for the others (set_sa_old_weight; 256 cuts them evenly). Why: session 54's stamps (H100,
-// 32 rows of 8192x28672) had the k slices' mean ends 14 us apart and half the teams done 13.6 us
-// before the last, while SMs sat idle only 4% of the time: on each SM one block finishes well
-// before the other, whose two teams then run alone at half the warps. If the SM's schedulers
-// favour the block placed first, giving it more units evens the ends. Measured (H100, session 54):
-// a loss, 6-26% slower at weights 1.25-1.75 (csrc/PERF_NOTES.md).
+// Debug variants 74 / 75 (session 54, removed; the code is in 70caf20): each slice's blocks
+// interleaved over the grid and the grid's first `SMs` blocks (placed first) given 1.25-1.75 times
+// the units, since on each SM the block placed first ends ~13.5 us before the other (stamps). A
+// loss, 6-26% slower on an H100: which block an SM favours is decided at run time, and the SMs
+// where the weights missed straggled (csrc/PERF_NOTES.md, session 54).
 // CFG 16777216 (kSaTwin, debug variants 78 / 79, the latter with stamps; session 54): the grid's
 // blocks two to a block of 16 warps, one an SM: warps 8 h .. 8 h + 7 of block b work as block 2 b
 // + h would (its slice, units, shared memory and barriers of its own). Why: of an SM's two
@@ -181,7 +176,7 @@ namespace trellis {
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152,
-              kSaStamp = 4194304, kSaWaveWeights = 8388608, kSaTwin = 16777216;
+              kSaStamp = 4194304, kSaTwin = 16777216;
 constexpr int kSaStampWords = 8;  // uint64 words a team's stamps take (kSaStamp)
 __device__ __forceinline__ uint64_t sa_globaltimer() {
     uint64_t t;
@@ -228,8 +223,6 @@ struct SaGrid {
     int nseg = 1;               // segments of a grouped product
     int seg_grp[5] = {};        // first column group of segment s; seg_grp[nseg] = all groups
     int seg_blocks[4] = {};     // blocks per slice of segment s
-    int wave = 0;               // kSaWaveWeights: the blocks placed first (one an SM) ...
-    int old_w = 256;            // ... and their weight (256: as the others)
 };
 
 template <int K, int CB, int NG, int CFG>
@@ -281,8 +274,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     while (seg + 1 < grid.nseg && bx >= grid.nsl * grid.seg_blocks[seg]) bx -= grid.nsl * grid.seg_blocks[seg++];
     const int nb = grid.seg_blocks[seg];
     const bool live = !kTwin || bx < grid.nsl * nb;  // kSaTwin: an odd grid's last half has no block
-    constexpr bool kWaves = (CFG & kSaWaveWeights) != 0;
-    const int slice = kWaves ? bx % grid.nsl : bx / nb, bi = kWaves ? bx / grid.nsl : bx - slice * nb;
+    const int slice = bx / nb, bi = bx - slice * nb;
     // k rows [r0, r0 + nr), whole 128-input chunks (the prep's sums are a chunk's), in units of KR
     // rows: unit row ur covers k rows r0 + KR ur ..
     const int r0 = 8 * (int)((long)(tk / 8) * slice / grid.nsl);
@@ -296,12 +288,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int n_cu = kRot ? (grid.seg_grp[seg + 1] - g_first) / GW : 0;
     const int rot = kRot ? (int)((long)n_cu * slice / grid.nsl) : 0;
     const int g_wrap = g_first + GW * n_cu;
-    // kSaWaveWeights: the slice's blocks j < n_old are among the grid's first `wave`; block j's
-    // range starts at the weights of blocks 0..j - 1 over all nb
-    const int n_old = kWaves ? min(nb, max(0, grid.wave - (vblock - bx) - slice + grid.nsl - 1) / grid.nsl) : 0;
-    auto weight_before = [&](int j) { return (long)min(j, n_old) * grid.old_w + (long)max(0, j - n_old) * 256; };
-    const long b0 = kWaves ? units * weight_before(bi) / weight_before(nb) : units * bi / nb;
-    const long b1 = kWaves ? units * weight_before(bi + 1) / weight_before(nb) : units * (bi + 1) / nb;
+    const long b0 = units * bi / nb, b1 = units * (bi + 1) / nb;
     auto team_first = [&](int t) { return b0 + (b1 - b0) * t / kTeams; };  // team t's units [first(t), first(t + 1))
     const long u0 = team_first(team), u1 = team_first(team + 1);
     const int n_units = (int)(u1 - u0);

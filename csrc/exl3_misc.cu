@@ -209,7 +209,6 @@ void set_sa_stamp_buffer(int64_t ptr, int64_t slots) {
     sa_stamp_buffer() = slots > 0 ? reinterpret_cast<uint64_t*>(ptr) : nullptr;
     sa_stamp_slots() = slots > 0 ? (long)slots : 0;
 }
-void set_sa_old_weight(int weight) { sa_old_weight() = weight >= 64 && weight <= 1024 ? weight : 256; }
 void set_gemv_wgmma(int mode) { gemv_wgmma() = mode == 0 ? 0 : 1; }
 void set_gemv_shared_acts(int mode) { gemv_shared_acts() = mode >= 0 && mode <= 3 ? mode : 3; }
 void set_gemv_finish_rows(int rows) { gemv_finish_rows() = rows == 1 ? 1 : 8; }

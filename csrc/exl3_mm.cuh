@@ -255,13 +255,6 @@ inline long& sa_stamp_slots() {
     return n;
 }
 
-// The weight (256: even) of the blocks placed first in the block-shared product's debug variants
-// 74 / 75 (kSaWaveWeights; set_sa_old_weight).
-inline int& sa_old_weight() {
-    static int w = 256;
-    return w;
-}
-
 // Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
 inline int& gemv_finish_rows() {
     static int v = 8;

@@ -253,8 +253,6 @@ void set_finish_early_reads(bool enabled);
 void set_gemv_sa_grid(int rule);
 void set_gemv_sa_tiles(int rule);
 void set_sa_stamp_buffer(int64_t ptr, int64_t slots);
-// Debug variants 74 / 75: the weight of the blocks placed first (64..1024; 256 as the others).
-void set_sa_old_weight(int weight);
 // Whether block-shared products of 17..32 rows at K <= 4 take Hopper's warpgroup MMA on a device
 // of compute capability 9.0: 1 (default) yes, 0 no (a benchmark baseline).
 void set_gemv_wgmma(int mode);
