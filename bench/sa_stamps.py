@@ -1,5 +1,5 @@
-"""When each team of the block-shared product starts, flushes last and ends (debug variants 72 / 73,
-kSaStamp in csrc/exl3_gemv_sa_kernel.cuh), summarised per product call.
+"""When each team of the block-shared product starts, flushes last and ends (debug variants 72 / 73
+/ 76 / 79, kSaStamp in csrc/exl3_gemv_sa_kernel.cuh), summarised per product call.
 
     python -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 73 [--dump teams.jsonl]
 

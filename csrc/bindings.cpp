@@ -860,7 +860,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_gemv_sa_tiles", &trellis::set_gemv_sa_tiles,
           "the block-shared product: 1 two tiles per unit at 25..32 rows of layers under 4096 x 18432 weights, K <= 4 (default); 0 four tiles everywhere; 2 two tiles everywhere (benchmarks)");
     m.def("set_sa_stamp_buffer", &trellis::set_sa_stamp_buffer,
-          "debug variants 72 / 73: a device buffer (address, teams) of 8 int64 a team for the block-shared product's stamps; 0 slots: none");
+          "debug variants 72 / 73 / 76 / 79: a device buffer (address, teams) of 8 int64 a team for the block-shared product's stamps; 0 slots: none");
     m.def("set_gemv_wgmma", &trellis::set_gemv_wgmma,
           "block-shared products of 17..32 rows at K <= 4 on Hopper's warpgroup MMA where the device has it: 1 (default) yes, 0 no");
     m.def("debug_variant_built", &trellis::debug_variant_in_build,

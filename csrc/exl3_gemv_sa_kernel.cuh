@@ -264,7 +264,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const int half = kTwin ? block_warp / S::WARPS : 0;
     const int warp = kTwin ? block_warp % S::WARPS : block_warp;
     const unsigned tid = kTwin ? threadIdx.x - (unsigned)(half * kThreads) : threadIdx.x;
-    const int vblock = kTwin ? 2 * (int)blockIdx.x + half : (int)blockIdx.x;
+    const int vblock = kTwin ? S::HALVES * (int)blockIdx.x + half : (int)blockIdx.x;
     const int wi = warp % GW, team = warp / GW;
     const int tk = in >> 4;
     const int tn = out >> 4;

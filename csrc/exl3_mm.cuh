@@ -244,8 +244,9 @@ inline int& gemv_sa_grid() {
     return v;
 }
 
-// Where the block-shared product's stamp variants (kSaStamp, debug variants 72 / 73) write each
-// team's times, and how many teams' stamps it holds (set_sa_stamp_buffer; none by default).
+// Where the block-shared product's stamp variants (kSaStamp, debug variants 72 / 73 / 76 / 79)
+// write each team's times, and how many teams' stamps it holds (set_sa_stamp_buffer; none by
+// default).
 inline uint64_t*& sa_stamp_buffer() {
     static uint64_t* p = nullptr;
     return p;
