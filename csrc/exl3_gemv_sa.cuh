@@ -16,9 +16,10 @@ template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
     const SmemLimits lim = device_smem_limits();
-    const int sm_share = lim.per_sm / S::BLOCKS_PER_SM - lim.reserved;
+    // (kSaTwin: a launched block holds HALVES of the grid's blocks, and leaves the second half
+    // what the first's HALF_WORDS do not take)
+    const int sm_share = lim.per_sm / (S::BLOCKS_PER_SM / S::HALVES) - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
-    // (kSaTwin: what the second half leaves, after the first's HALF_WORDS)
     const int budget = (two ? sm_share : lim.per_block) - (S::HALVES - 1) * S::HALF_WORDS * 4;
     const int fit = (budget / 4 - S::RING_WORDS - S::EXTRA_WORDS) / S::BROW;
     const int ks = (fit < S::KS ? fit : S::KS) & ~7;

@@ -194,6 +194,7 @@ struct SaShape {
     static constexpr int WARPS = CFG & kSaWide ? 2 * kGvWarps : kGvWarps;
     static constexpr int BLOCKS_PER_SM = CFG & kSaWide ? 1 : 2;
     static constexpr int HALVES = CFG & kSaTwin ? 2 : 1;
+    static_assert(BLOCKS_PER_SM % HALVES == 0, "kSaTwin: whole launched blocks an SM (not with kSaWide)");
     // warps a team (a warpgroup in the wgmma form, else one warp), and teams a block
     static constexpr int GW = CFG & kSaWgmma ? 4 : 1;
     static constexpr int TEAMS = WARPS / GW;

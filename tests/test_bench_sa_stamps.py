@@ -46,3 +46,14 @@ def test_summary_by_wave_of_the_blocks_placed_first():
 
 def test_summary_of_nothing_written():
     assert summarize(decode_stamps([0] * 4 * STAMP_WORDS)) == {"teams": 0}
+
+
+def test_block_pairs_of_each_sm():
+    # SM 0: grid block 0 starts at 0 and ends at 60 us, block 2 starts 1 us later and ends at 80;
+    # SM 1: block 1 starts first but ends last (90 against 86). SM 2 ran one block: not a pair.
+    us = 1000
+    words = (_team(0, 0, 0, 2, 0, us, 59 * us, 60 * us, 0) + _team(0, 0, 2, 2, us, 2 * us, 79 * us, 80 * us, 2)
+             + _team(1, 0, 1, 2, 0, us, 89 * us, 90 * us, 1) + _team(1, 0, 3, 2, us, 2 * us, 85 * us, 86 * us, 3)
+             + _team(2, 0, 4, 2, 0, us, 89 * us, 90 * us, 4))
+    s = summarize(decode_stamps(words))
+    assert (s["pair_sms"], s["pair_end_gap_us"], s["pair_first_started_ends_first"]) == (2, 12.0, 0.5)
