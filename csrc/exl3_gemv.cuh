@@ -313,7 +313,7 @@ struct GvBlockList {
 // path: A12 with the byte sums by MMAs, kTcSum; 22, K = 4 integer path: session 31's shipped decode,
 // two masks and shared loads).
 template <int K, int CB, int PATH, int NG, int VAR, int CFG, bool SP, bool CH>
-__global__ void __launch_bounds__(gv_block_warps(VAR) * 32, gv_block_warps(VAR) == kGvWarps ? GvShape<PATH, NG, CFG>::MINB : 1)
+__global__ void __launch_bounds__(kGvWarps * 32, GvShape<PATH, NG, CFG>::MINB)
 exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
                  const uint32_t* __restrict__ xb,       // fragment-ordered activations
                  const float2* __restrict__ scales,     // I8: [m, in/128] steps of the 2 passes
@@ -341,8 +341,8 @@ exl3_gemv_kernel(const PrepInput pin, const half* __restrict__ suh,  // SP only
     const int groups = tn / CT;
     const int rows_kr = tk / KR;  // units per column group (tk is a multiple of 8)
     const long units = (long)groups * rows_kr;
-    const long nwarps = (long)gridDim.x * gv_block_warps(VAR);
-    const long gw = (long)blockIdx.x * gv_block_warps(VAR) + warp;
+    const long nwarps = (long)gridDim.x * kGvWarps;
+    const long gw = (long)blockIdx.x * kGvWarps + warp;
     const long u0 = units * gw / nwarps;
     const long u1 = units * (gw + 1) / nwarps;
     // The open sums this product's prep read (MmArgs::zero_after): zeroed once that prep is done,
@@ -839,10 +839,8 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     const long units = (long)(a.out / 16 / S::CT) * (a.in / 16 / S::KR);
     // The grid cap (gv_blocks) counts units of two k rows for four-row units, so that CFG 10 keeps
     // the grid CFG 9 would have.
-    // (debug variant 77: the same warps and shared memory in blocks of 16 warps, one an SM)
-    constexpr int kWarps = gv_block_warps(VAR), kMerge = kWarps / kGvWarps;
-    const long blocks = (gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms) + kMerge - 1) / kMerge;
-    const size_t smem = gv_capped_smem((size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4 * kMerge, kMerge > 1 ? 1 : S::MINB);
+    const long blocks = gv_blocks(S::KR > 2 ? units * S::KR / 2 : units, S::MINB, a.num_sms);
+    const size_t smem = gv_capped_smem((size_t)gv_smem_words<K, PATH, NG, CFG, SP>() * 4, S::MINB);
     const PrepInput pin = prep_input(a.x, a.ldx, a.up, a.ldu, a.act, a.norm);
     // finish_rows 0: the output transform runs in gv_finish_kernel after the product (fp16 path:
     // 9..32 rows with gemv_split_finish 2, 1..8 too with 3; the integer path's 1..4 rows with 4;
@@ -861,7 +859,7 @@ cudaError_t launch_gemv_var(const MmArgs& a, cudaStream_t stream) {
     // prep, whose warps add their own k rows' part).
     const bool c0_late = split && PATH == GV_I8 && !SP && VAR != kGvVarC0Tail;
     const cudaError_t e = launch_pdl_smem(exl3_gemv_kernel<K, CB, PATH, NG, VAR, CFG, SP, CH>, dim3((unsigned)blocks),
-                                          dim3(kWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
+                                          dim3(kGvWarps * 32), smem, stream, a.pdl, pin, a.suh, a.xb,
                                           a.scales, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh, a.bias,
                                           a.counters, a.seg_cols[0], a.seg_cols[1], a.seg_cols[2], a.early_trigger,
                                           split ? 0 : gemv_finish_rows(), a.zero_after, a.zero_n, chain_arg<CH>(a));
@@ -914,9 +912,6 @@ cudaError_t launch_gemv_schedule(const MmArgs& a, int variant, cudaStream_t stre
             if (variant == kGvVarF16NoA12) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarF16NoA12>(a, false, stream);
         }
         if (variant == kGvVarInFinish) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarInFinish>(a, false, stream);
-        if constexpr (CB == CB_MUL1) {
-            if (variant == kGvVarWideBlock) return launch_gemv_shipped<K, CB, PATH, NG, false, false, kGvVarWideBlock>(a, false, stream);
-        }
     }
     return launch_gemv_shipped<K, CB, PATH, NG, false>(a, false, stream);
 }

@@ -45,7 +45,7 @@ constexpr int kSaVarStamp = 72;          // debug: its shipped four-group forms 
 constexpr int kSaVarRotateStamp = 73;    // debug: 70 with them (kSaRotate | kSaStamp)
 // 74 and 75 (session 54): the blocks placed first given more units (removed: 6-26% slower; the code is in 70caf20)
 constexpr int kSaVarWideStamp = 76;      // debug: 61 with stamps (kSaWide | kSaStamp)
-// 77: kGvVarWideBlock (below)
+// 77 (session 54): the per-warp kernel in blocks of 16 warps (removed: no gain, decode 6-9% slower; see below)
 constexpr int kSaVarTwin = 78;           // debug: its shipped forms with the grid's blocks two to a launched block of 16 warps (kSaTwin)
 constexpr int kSaVarTwinStamp = 79;      // debug: 78 with stamps (kSaTwin | kSaStamp)
 inline bool debug_variant_built(int variant) {
@@ -67,20 +67,15 @@ inline bool debug_variant_built(int variant) {
 // (gv_in_finish), as every kernel had it until session 38: the baseline of that change, and the
 // form a shipped-schedule product takes when it runs unsplit (gemv_split_finish below its path's
 // setting; debug builds only, a shipped build splits regardless).
-// Debug variant 77 (kGvVarWideBlock, session 54) runs the shipped kernels in blocks of 16 warps,
-// one an SM, instead of two blocks of 8: the same warps, units and shared memory an SM. Why: the
-// block-shared product's stamps (session 54, H100) showed that of an SM's two blocks the one placed
-// first (0.17 us earlier) ends first on every SM, ~13.5 us before the other, whose warps then run
-// alone: the schedulers favour the older block's warps, and a kernel bound by instruction issue
-// ends with half its warps. A block's warps start together.
+// Debug variant 77 (session 54, removed in session 55; the code is in fb4940b): the shipped
+// kernels in blocks of 16 warps, one an SM. H100: large layers within 1% at 1..8 rows,
+// 4096x28672 4-8% slower, decode at batch 1 9% and batch 8 6% slower (csrc/PERF_NOTES.md).
 constexpr int kGvVarA12 = 8, kGvVarTcSum = 21, kGvVarS31 = 22, kGvVarC0Tail = 41, kGvVarInFinish = 47,
-              kGvVarF16NoA12 = 64, kGvVarWideBlock = 77;
+              kGvVarF16NoA12 = 64;
 __host__ __device__ constexpr bool gv_shipped_schedule(int var) {
     return var == 0 || var == kGvVarA12 || var == kGvVarTcSum || var == kGvVarS31 || var == kGvVarC0Tail ||
-           var == kGvVarInFinish || var == kGvVarF16NoA12 || var == kGvVarWideBlock;
+           var == kGvVarInFinish || var == kGvVarF16NoA12;
 }
-// Warps a block of the per-warp kernel under debug variant VAR.
-__host__ __device__ constexpr int gv_block_warps(int var) { return var == kGvVarWideBlock ? 2 * kGvWarps : kGvWarps; }
 // Whether a per-warp kernel has its warps' output stage (the warp that completes a 128-column block
 // transforms it, finish_rows > 0): those that may run unsplit (decode chains, CH; the debug
 // variants off the shipped schedule; kGvVarInFinish). Why: in the split products, where it never

@@ -199,28 +199,6 @@ def test_decode_forms_give_the_same_product(n_in, n_out, cb):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("n_in,n_out", [(1024, 1536), (4096, 14336)])
-def test_per_warp_kernel_in_blocks_of_sixteen_warps(n_in, n_out):
-    """Debug variant 77 (kGvVarWideBlock): the per-warp kernel's shipped forms in blocks of 16
-    warps, one an SM (the grid halved, each block's shared memory doubled), on the integer path at
-    1..4 rows and the fp16 path at 1..12 (one, four and two row groups; the compact ring on the
-    small layer, four-k-row units on the large): the kernels that run carry the variant, and give
-    the reference's product and the shipped one's up to fp32 summation order."""
-    t = rand_layer(n_in, n_out, 4, "mul1", seed=77, bias=True)
-    ref_w = fmt.reconstruct(t.trellis, "mul1")
-    for rows, int8 in ((1, True), (2, True), (4, True), (1, False), (5, False), (8, False), (12, False)):
-        x = torch.randn(rows, n_in, device=DEV).half()
-        run = lambda: ops.exl3_gemm(x, t, mode="fused", int8=int8, version=3)  # noqa: E731
-        y0 = run()
-        with ops.debug_variant(77):
-            names = kernels_run(run, "exl3_gemv_kernel")
-            y = run()
-        assert names and all(a[4] == "77" for a in template_args(names, "exl3_gemv_kernel")), (rows, int8, names)
-        assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), t, ref_w)) < 2e-3, (rows, int8)
-        assert rel_rms(y, y0) < 1e-3, (rows, int8)
-    assert workspaces_zero()
-
-
 def extension_setting(name, setter, default):
     """A fixture that hands a test one of the extension's launch settings and puts the default
     back after it, pass or fail, so no later test runs under a changed setting."""
