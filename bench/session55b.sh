@@ -12,7 +12,7 @@ export CALL_S=${CALL_S:-330}
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
 ab() {  # label, variant, rows, shapes...
   local label=$1 v=$2 rows=$3; shift 3
-  [ $(left) -gt 40 ] || return 0
+  [ $(left) -gt 20 ] || return 0
   echo "== shipped / $v at $rows rows, $label $(el)s" | tee -a $L
   timeout 120 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --codebook mul1 --paths fused \
     --shapes "$@" --m $rows --variants $v 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
