@@ -14,22 +14,15 @@
 #    16 / 32 under 0 / 78 and at batch 1 / 8 under 0 / 77 (decode chains take 77 too at the
 #    default split finish, 5).
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
-ab() {  # label, variant, rows, shapes...
-  local label=$1 v=$2 rows=$3; shift 3
-  [ $(left) -gt 60 ] || return 0
-  echo "== shipped / $v at $rows rows, $label $(el)s" | tee -a $L
-  timeout 120 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --codebook mul1 --paths fused \
-    --shapes "$@" --m $rows --variants $v 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
-}
-ab "pass 1" 77 "1 4 8" 8192x28672 28672x8192 4096x28672
-ab "pass 1" 78 32 8192x28672 28672x8192 4096x28672
+variant_ab "pass 1" 77 "1 4 8" 8192x28672 28672x8192 4096x28672
+variant_ab "pass 1" 78 32 8192x28672 28672x8192 4096x28672
 echo "== stamps 72 / 79 / 76, 32 rows of 8192x28672 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 79 76 --calls 2 --dump $OUT/teams.jsonl 2>&1 | tail -6 | tee -a $L
-ab "pass 1" 78 "12 17 24" 8192x28672 28672x8192 4096x28672
+variant_ab "pass 1" 78 "12 17 24" 8192x28672 28672x8192 4096x28672
 some_gpu_tests 150 pytest_variants.txt "block_variants or reordered or stamps or sixteen_warps" tests/test_gemv_wgmma_gpu.py \
   tests/test_ops_gpu.py
-ab "pass 2" 77 "1 4 8" 8192x28672 28672x8192 4096x28672
-ab "pass 2" 78 32 8192x28672 28672x8192 4096x28672
+variant_ab "pass 2" 77 "1 4 8" 8192x28672 28672x8192 4096x28672
+variant_ab "pass 2" 78 32 8192x28672 28672x8192 4096x28672
 [ $(left) -gt 100 ] && synth_llama
 decode_rounds 60 "32 32 78" "16 32 78" "1 128 77" "8 64 77"
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-480} left" | tee -a $L

@@ -10,19 +10,13 @@
 # 3. The GPU tests of the twin variants, a second pass of 1, decode at batch 16 / 32 under 0 / 78.
 export CALL_S=${CALL_S:-330}
 GOALS=${GOALS:-0} source bench/session_start.sh  # the card, left, the debug build
-ab() {  # label, variant, rows, shapes...
-  local label=$1 v=$2 rows=$3; shift 3
-  [ $(left) -gt 20 ] || return 0
-  echo "== shipped / $v at $rows rows, $label $(el)s" | tee -a $L
-  timeout 120 python3 -m bench.linear --timing graph --cache cold --calls 100 --warmup 10 --K 4 --codebook mul1 --paths fused \
-    --shapes "$@" --m $rows --variants $v 2>&1 | python3 -c "$SUM" | grep -v '^{' | tee -a $L
-}
-ab "pass 1" 78 32 8192x28672 28672x8192 4096x28672
+AB_MIN_LEFT=20
+variant_ab "pass 1" 78 32 8192x28672 28672x8192 4096x28672
 echo "== stamps 72 / 79 / 76, 32 rows of 8192x28672 $(el)s" | tee -a $L
 timeout 60 python3 -m bench.sa_stamps --shape 8192x28672 --m 32 --variants 72 79 76 --calls 2 --dump $OUT/teams.jsonl 2>&1 | tail -6 | tee -a $L
-ab "pass 1" 78 "12 17 24" 8192x28672 28672x8192 4096x28672
+variant_ab "pass 1" 78 "12 17 24" 8192x28672 28672x8192 4096x28672
 some_gpu_tests 60 pytest_variants.txt "block_variants or reordered or stamps" tests/test_gemv_wgmma_gpu.py
-ab "pass 2" 78 32 8192x28672 28672x8192 4096x28672
+variant_ab "pass 2" 78 32 8192x28672 28672x8192 4096x28672
 [ $(left) -gt 100 ] && synth_llama
 decode_rounds 40 "32 32 78" "16 32 78"
 echo "== done $(el)s, $(left) s of the call's ${CALL_S:-330} left" | tee -a $L
