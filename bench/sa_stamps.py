@@ -97,7 +97,7 @@ def _block_pairs(by_sm: dict) -> dict:
             blocks[t["grid_block"]].append(t)
         if len(blocks) != 2:
             continue
-        (a_start, a_end), (b_start, b_end) = sorted(
+        (_, a_end), (_, b_end) = sorted(
             (min(t["start"] for t in b), max(t["end"] for t in b)) for b in blocks.values())
         gaps.append(abs(a_end - b_end))
         first_ends_first += a_end <= b_end

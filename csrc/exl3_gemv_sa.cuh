@@ -9,15 +9,14 @@ namespace trellis {
 // k rows per slice: SaShape::KS, or what fits beside the rings where shared memory is short (a
 // multiple of 8: slices are whole 128-input chunks, since the row sums come a chunk at a time; a
 // block may opt into 99 KB on sm_86/89/120, 227 KB on sm_90; 0: too little for the kernel to pay).
-// With the compact setting kGvCompactTwoBlocks, what fits in an SM's share of the blocks the grid
-// is sized for (SaShape::BLOCKS_PER_SM; an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on sm_90
-// KS fits).
+// With the compact setting kGvCompactTwoBlocks, what fits in an SM's share of the blocks launched
+// on it (SaShape::BLOCKS_PER_SM / HALVES; an SM has 100 KB on sm_86/89/120, 164 KB on sm_80; on
+// sm_90 KS fits). kSaTwin: a launched block holds two of the grid's blocks, and the second's slice
+// gets what the first's HALF_WORDS leave.
 template <int K, int NG, int CFG = 0>
 int sa_slice_rows(int tk) {
     using S = SaShape<K, NG, CFG>;
     const SmemLimits lim = device_smem_limits();
-    // (kSaTwin: a launched block holds HALVES of the grid's blocks, and leaves the second half
-    // what the first's HALF_WORDS do not take)
     const int sm_share = lim.per_sm / (S::BLOCKS_PER_SM / S::HALVES) - lim.reserved;
     const bool two = gemv_compact() == kGvCompactTwoBlocks && lim.per_sm > 0 && sm_share < lim.per_block;
     const int budget = (two ? sm_share : lim.per_block) - (S::HALVES - 1) * S::HALF_WORDS * 4;
