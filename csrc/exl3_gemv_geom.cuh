@@ -48,6 +48,7 @@ constexpr int kSaVarWideStamp = 76;      // debug: 61 with stamps (kSaWide | kSa
 // 77 (session 54): the per-warp kernel in blocks of 16 warps (removed: no gain, decode 6-9% slower; see below)
 constexpr int kSaVarTwin = 78;           // debug: its shipped forms with the grid's blocks two to a launched block of 16 warps (kSaTwin)
 constexpr int kSaVarTwinStamp = 79;      // debug: 78 with stamps (kSaTwin | kSaStamp)
+constexpr int kSaVarSteal = 80;          // debug: its shipped four-group forms with units claimed at run time (kSaSteal)
 inline bool debug_variant_built(int variant) {
     return kDebugVariants || variant == 0 || variant == 10 || variant == 30 || variant == 31 ||
            variant == kSaVarTwoTiles;

@@ -108,10 +108,10 @@ constexpr bool sa_forced(int variant) {
 }
 // The variants under which products take the shipped rules and forms (61 changes only the blocks,
 // 70 and 71 the order of a slice's units, 68 and 69 leave flushes out, 72 and 73 add stamps, 76
-// stamps wide blocks, 78 and 79 launch blocks two to one).
+// stamps wide blocks, 78 and 79 launch blocks two to one, 80 claims units at run time).
 constexpr bool sa_rules(int variant) {
     return variant == 0 || variant == kSaVarWide || (variant >= kSaVarNoTail && variant <= kSaVarRotateStamp) ||
-           variant == kSaVarWideStamp || variant == kSaVarTwin || variant == kSaVarTwinStamp;
+           variant == kSaVarWideStamp || variant == kSaVarTwin || variant == kSaVarTwinStamp || variant == kSaVarSteal;
 }
 template <int K, int NG>
 bool sa_applies(const MmArgs& a, int variant) {
@@ -149,7 +149,7 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     // Unsplit (setting 0) takes the form with the warps' output stage, which only debug builds have;
     // a shipped build splits regardless.
     constexpr bool kInFinish = (CFG & kSaInFinish) != 0;
-    if constexpr (!kInFinish && kDebugVariants && !(CFG & kSaWgmma)) {  // (sa_form: no wgmma form unsplit)
+    if constexpr (!kInFinish && kDebugVariants && !(CFG & (kSaWgmma | kSaSteal))) {  // (sa_form: no wgmma form unsplit; kSaSteal splits)
         if (sa_unsplit(a)) return launch_gemv_sa<K, CB, NG, CFG | kSaInFinish>(a, stream);
     }
     const bool split = a.y && (!kInFinish || gemv_split_finish() >= 1);
@@ -157,6 +157,12 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     int* counters = a.counters;
     if constexpr ((CFG & kSaStamp) != 0)
         counters = blocks * S::TEAMS <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
+    if constexpr ((CFG & kSaSteal) != 0) {  // the claim words, and a slice's units in a word's half
+        for (int s = 0; s < gd.nseg; ++s)
+            if ((long)(gd.seg_grp[s + 1] - gd.seg_grp[s]) / S::GW * (gd.ks / S::KR) > 0xffff) return cudaErrorInvalidValue;
+        counters = reinterpret_cast<int*>(sa_claim_words(blocks * S::TEAMS, stream));
+        if (!counters) return cudaErrorInvalidValue;
+    }
     const cudaError_t e = launch_pdl_smem(exl3_gemv_sa_kernel<K, CB, NG, CFG>, dim3((unsigned)((blocks + S::HALVES - 1) / S::HALVES)),
                                           dim3(S::HALVES * S::WARPS * 32),
                                           smem, stream, a.pdl, a.xb, a.csum, a.trellis, a.z, a.m, a.in, a.out, a.y, a.ldy, a.svh,
@@ -266,6 +272,8 @@ cudaError_t launch_gemv_f16(const MmArgs& a, int variant, cudaStream_t stream) {
                 if (variant == kSaVarStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaStamp>(a, f, stream);
                 if (variant == kSaVarRotateStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaRotate | kSaStamp>(a, f, stream);
                 if (variant == kSaVarWideStamp) return launch_gemv_sa_shipped<K, CB, NG, kSaWide | kSaStamp>(a, f, stream);
+                // (at two row groups the form spills: ptxas, 384 bytes)
+                if (variant == kSaVarSteal) return launch_gemv_sa_shipped<K, CB, NG, kSaSteal>(a, f, stream);
             }
         }
         if constexpr (NG == 4) {

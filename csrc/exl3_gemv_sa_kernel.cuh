@@ -173,10 +173,21 @@ namespace trellis {
 // blocks the one placed first ends first on every SM (session 54's stamps), ~13.5 us before the
 // other, whose teams then run alone at half the warps; a block's warps start together, and a
 // block's two teams ended within 1.8 us of each other on average.
+// CFG 33554432 (kSaSteal, debug variant 80; session 55): units claimed at run time, so that a team
+// whose block the SM favours takes work from the others of its k slice (their blocks hold the same
+// activations) instead of leaving its SM's other block to end alone. Each team keeps its range in
+// a word (next unit, end) of a zeroed buffer passed as `counters` (sa_claim_words): it takes its
+// own next unit by an atomic add to the low half, NS - 1 ahead of the MMAs (the ring's depth),
+// and, its range done, units from the end of other teams' ranges by a compare-and-swap on the high
+// half; each unit is claimed once, whatever the order. A team's sums of one column group add up
+// over any of its k rows, so it flushes where the next unit's group differs. Each team zeroes its
+// word at its end (every unit of it claimed by then); a word is set after the PDL wait, when the
+// product before has ended.
 constexpr int kSaAffine = 4, kSaNoTail = 8, kSaTwoRows = 16, kSaA12 = 64, kSaTcSum = 128,
               kSaTwoTiles = 512, kSaSkipEmpty = 1024, kSaInFinish = 2048, kSaWgmma = 4096, kSaProducts = 8192,
               kSaNoSlice = 16384, kSaWide = 524288, kSaRotate = 1048576, kSaNoLastFlush = 2097152,
-              kSaStamp = 4194304, kSaTwin = 16777216;
+              kSaStamp = 4194304, kSaTwin = 16777216, kSaSteal = 33554432;
+constexpr int kSaStealVictims = 8;  // kSaSteal: blocks whose ranges a team tries once its own is done
 constexpr int kSaStampWords = 8;  // uint64 words a team's stamps take (kSaStamp)
 __device__ __forceinline__ uint64_t sa_globaltimer() {
     uint64_t t;
@@ -210,7 +221,9 @@ struct SaShape {
     static constexpr int PARTS = 8 * (WARPS / kGvWarps);
     // after the ring: the slice's row sums (MUL1, raw decode; 32 words), the parts' mbarriers and
     // the row sums' one
-    static constexpr int EXTRA_WORDS = 32 + 2 * (PARTS + 1);
+    // and kSaSteal: a team's claim state (8 words, CLAIM_SLOTS on)
+    static constexpr int CLAIM_SLOTS = 32 + 2 * (PARTS + 1);
+    static constexpr int EXTRA_WORDS = CLAIM_SLOTS + (CFG & kSaSteal ? 8 * TEAMS : 0);
     // kSaTwin: where the second half's shared memory starts (after a slice of KS k rows, the
     // ring and the extra words, rounded to 512 bytes so that its slice and mbarriers stay aligned;
     // a compile-time stride keeps the halves' addresses in uniform registers)
@@ -294,6 +307,8 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     const long u0 = team_first(team), u1 = team_first(team + 1);
     const int n_units = (int)(u1 - u0);
     constexpr bool kStamp = (CFG & kSaStamp) != 0;
+    constexpr bool kSteal = (CFG & kSaSteal) != 0;
+    static_assert(!kSteal || !(kStamp || kInFinish || kRot || kTwin), "kSaSteal: the split shipped forms");
     uint64_t stamp[4] = {};  // kSaStamp: block start, first unit done, last flush begun, team end
     int n_flushes = 0;
     if constexpr (kStamp) stamp[0] = sa_globaltimer();
@@ -357,17 +372,20 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     int p_row = r0 + KR * (int)(u0 % nru);
     int p_slot = 0;
     const uint32_t* p_src = trellis + (size_t)p_row * row_step + (size_t)p_grp * CT * TW + lane * 4;
+    auto copy_unit = [&]() {  // the unit at p_src into ring stage p_slot
+#pragma unroll
+        for (int kr = 0; kr < KR; ++kr) {
+            const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * CT * TW + lane * 4) * 4u;
+#pragma unroll
+            for (int c0 = 0; c0 < kChunks; c0 += 32) {
+                if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + kr * row_step + c0 * 4);
+            }
+        }
+        p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
+    };
     auto issue = [&](int s) {
         if (s < n_units) {
-#pragma unroll
-            for (int kr = 0; kr < KR; ++kr) {
-                const uint32_t dst = ring_sa + (uint32_t)(p_slot * SW + kr * CT * TW + lane * 4) * 4u;
-#pragma unroll
-                for (int c0 = 0; c0 < kChunks; c0 += 32) {
-                    if (kChunks % 32 == 0 || c0 + lane < kChunks) gv_cp16(dst + c0 * 16, p_src + kr * row_step + c0 * 4);
-                }
-            }
-            p_slot = p_slot + 1 == NS ? 0 : p_slot + 1;
+            copy_unit();
             p_src += KR * row_step;
             if ((p_row += KR) == r0 + nr) {
                 p_row = r0;
@@ -376,6 +394,13 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 p_src = trellis + (size_t)r0 * row_step + (size_t)p_grp * CT * TW + lane * 4;
             }
         }
+        cp_async_commit();
+    };
+    // kSaSteal: unit u of the slice (of any of its teams' ranges), from its index.
+    auto issue_unit = [&](const int u) {
+        const int cu = u / nru;
+        p_src = trellis + (size_t)(r0 + KR * (u - cu * nru)) * row_step + (size_t)(g_first + GW * cu + wi) * CT * TW + lane * 4;
+        copy_unit();
         cp_async_commit();
     };
 
@@ -421,6 +446,66 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
         return;
     }
 
+    // kSaSteal: claims by lane 0 of the team's first warp: its own range's next unit while it has
+    // one, then units from the end of the ranges of the same team in the slice's next blocks (at
+    // most kSaStealVictims of them). A word's low half is the next unit, its high half the end.
+    // The team's state is in shared memory (the main loop's registers hold its sums): two
+    // alternating results, the victim step (0: its own range), its own word, the slice's first
+    // word, its block's index and the slice's block count.
+    volatile int* const claim_state =
+        reinterpret_cast<volatile int*>(sa_smem + acts + ks * BROW + S::RING_WORDS + S::CLAIM_SLOTS) + 8 * team;
+    auto claim_one = [&]() -> int {
+        unsigned* const words = reinterpret_cast<unsigned*>(counters);
+        int v = claim_state[2];
+        if (v == 0) {
+            const unsigned old = atomicAdd(words + claim_state[3], 1u);
+            if ((old & 0xffffu) < (old >> 16)) return (int)(old & 0xffffu);
+            v = 1;
+        }
+        const int first = claim_state[4], b = claim_state[5], n = claim_state[6];
+        for (; v <= min(n - 1, kSaStealVictims); ++v) {
+            unsigned* const w = words + first + (b + v < n ? b + v : b + v - n) * kTeams + team;
+            unsigned old = __ldcg(w);
+            for (int t = 0; t < 4 && (old & 0xffffu) < (old >> 16); ++t) {
+                const unsigned seen = atomicCAS(w, old, old - 0x10000u);
+                if (seen == old) {
+                    claim_state[2] = v;
+                    return (int)(old >> 16) - 1;
+                }
+                old = seen;
+            }
+        }
+        claim_state[2] = v;
+        return -1;
+    };
+    // The team's next unit, the same in all its warps (a wgmma team's through its result words,
+    // behind a barrier of the team's warps: named barrier 1 + team).
+    auto team_claim = [&](const int s) -> int {
+        int u = -1;
+        if (wi == 0 && lane == 0) u = claim_one();
+        if constexpr (GW == 1) {
+            return __shfl_sync(0xffffffffu, u, 0);
+        } else {
+            static_assert(!kSteal || kTeams == 2, "kSaSteal: two wgmma teams a block");
+            if (wi == 0 && lane == 0) claim_state[s & 1] = u;
+            if (team == 0) asm volatile("bar.sync 1, %0;" ::"n"(GW * 32) : "memory");
+            else asm volatile("bar.sync 2, %0;" ::"n"(GW * 32) : "memory");
+            return claim_state[s & 1];
+        }
+    };
+    if constexpr (kSteal) {  // the team's range less the prologue's units (after the PDL wait: the product before may steal until it ends)
+        if (wi == 0 && lane == 0) {
+            const int own = vblock * kTeams + team;
+            claim_state[2] = 0;
+            claim_state[3] = own;
+            claim_state[4] = (vblock - bi) * kTeams;
+            claim_state[5] = bi;
+            claim_state[6] = nb;
+            atomicExch(reinterpret_cast<unsigned*>(counters) + own, (unsigned)u1 << 16 | (unsigned)(u0 + min(NS - 1, n_units)));
+        }
+        __syncwarp();
+    }
+
     int wa, wb, wc, shift;
     lane_words<K>(lane, wa, wb, wc, shift);
     bool has_b[NG];  // the lane's B column (row lane / 4 of each group of 8) is a real row
@@ -459,10 +544,39 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     };
 
     zero_acc();
-    for (int s = 0; s < n_units; ++s) {
+    // kSaSteal: the units of the ring stages in flight, oldest first (-1: none; the prologue's are
+    // the first of the team's own range), whether claims may still succeed, whether this thread
+    // has published its row sums, and whether the open sums hold their group's slice row 0
+    int q[kSteal ? NS : 1];
+#pragma unroll
+    for (int i = 0; i < (kSteal ? NS : 1); ++i) q[i] = i < NS - 1 && i < n_units ? (int)u0 + i : -1;
+    bool more = true, published = false, acc_row0 = false;
+    for (int s = 0; kSteal || s < n_units; ++s) {
         cp_async_wait<NS - 2>();
         __syncwarp();
-        issue(s + NS - 1);
+        int next = -1;  // kSaSteal: the next unit this warp will do, where one is in flight
+        if constexpr (kSteal) {
+            const int un = more ? team_claim(s) : -1;
+            more = un >= 0;
+            if (more) issue_unit(un);
+            else cp_async_commit();
+            q[NS - 1] = un;
+            const int cur = q[0];
+#pragma unroll
+            for (int i = 0; i + 1 < NS; ++i) {
+                q[i] = q[i + 1];
+                if (next < 0) next = q[i];
+            }
+            if (cur < 0) {
+                if (!more && next < 0) break;
+                continue;
+            }
+            const int cu = cur / nru;
+            c_grp = g_first + GW * cu + wi;
+            c_row = r0 + KR * (cur - cu * nru);
+        } else {
+            issue(s + NS - 1);
+        }
         const int stage = ring + c_slot * SW;
         c_slot = c_slot + 1 == NS ? 0 : c_slot + 1;
         if constexpr (WG) {
@@ -509,11 +623,18 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 }
             }
         }
-        if (kParts && s == 0) publish_row_sums();  // (before a flush that may wait for them)
+        if (kParts && (kSteal ? !published : s == 0)) publish_row_sums();  // (before a flush that may wait for them)
+        if constexpr (kSteal) {
+            published = true;
+            acc_row0 |= c_row == r0;
+        }
         if (kStamp && s == 0) stamp[1] = sa_globaltimer();
         seg_units += KR;
-        const bool last = s + 1 == n_units;
-        if ((c_row += KR) == r0 + nr || last) {
+        // kSaSteal: a column group's sums add up over any of its k rows, so they are flushed where
+        // the next unit's group differs, or where no next unit is known yet
+        const bool last = kSteal ? next < 0 && !more : s + 1 == n_units;
+        if (kSteal ? next < 0 || g_first + GW * (next / nru) + wi != c_grp : (c_row += KR) == r0 + nr || last) {
+            if constexpr (kSteal) grp_row0 = acc_row0;
             if constexpr (WG) wg_wait<0>();  // the sums are final
             if (last && early_trigger == 2) pdl_launch_dependents();
             if constexpr (kStamp) {
@@ -548,7 +669,10 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 }
                 if (kInFinish && y && finish_rows) finish_block(sv, bv);
             }
-            if (!last) {
+            if constexpr (kSteal) {
+                if constexpr (WG) wg_scale = 0; else zero_acc();
+                acc_row0 = false;
+            } else if (!last) {
                 if constexpr (WG) wg_scale = 0; else zero_acc();
                 grp_row0 = true;
                 c_row = r0;
@@ -557,6 +681,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
                 seg_units = 0;
             }
         }
+    }
+    if constexpr (kSteal) {
+        if (wi == 0 && lane == 0) atomicExch(reinterpret_cast<unsigned*>(counters) + vblock * kTeams + team, 0u);  // (every unit of it claimed)
     }
     if constexpr (kInFinish) deferred.drain([&](int blk) { gv_finish_block_rows8(z, y, ldy, svh, bias, m, out, blk, lane); });
     if constexpr (WG) wg_wait<0>();  // (the last unit's flush waited already; ptxas cannot tell)

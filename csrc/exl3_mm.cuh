@@ -255,6 +255,28 @@ inline long& sa_stamp_slots() {
     static long n = 0;
     return n;
 }
+// The block-shared product's claim words (kSaSteal, debug variant 80): one a team, zero between
+// products (each team zeroes its own at its end). Allocated and zeroed on the stream at the first
+// use on a device, which must not be under graph capture; null where it cannot be, or for more
+// than kWords teams.
+inline unsigned* sa_claim_words(long teams, cudaStream_t stream) {
+    constexpr long kWords = 16384;
+    static unsigned* per_device[64] = {};
+    int dev = 0;
+    if (teams > kWords || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return nullptr;
+    if (!per_device[dev]) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return nullptr;
+        void* p = nullptr;
+        if (cudaMalloc(&p, kWords * sizeof(unsigned)) != cudaSuccess) return nullptr;
+        if (cudaMemsetAsync(p, 0, kWords * sizeof(unsigned), stream) != cudaSuccess) {
+            cudaFree(p);
+            return nullptr;
+        }
+        per_device[dev] = static_cast<unsigned*>(p);
+    }
+    return per_device[dev];
+}
 
 // Rows of the workspace a finishing warp reads per round trip (8; 1 is the row-by-row baseline).
 inline int& gemv_finish_rows() {

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_TWIN, SA_TWO_TILES,  # noqa: E402
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_STEAL, SA_TWIN, SA_TWO_TILES,  # noqa: E402
                                SA_WGMMA, SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
@@ -129,7 +129,7 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 # each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
 _BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE),
                    72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP), 76: (0, SA_WIDE | SA_STAMP),
-                   78: (SA_TWIN, SA_TWIN), 79: (SA_TWIN | SA_STAMP, SA_TWIN | SA_STAMP)}
+                   78: (SA_TWIN, SA_TWIN), 79: (SA_TWIN | SA_STAMP, SA_TWIN | SA_STAMP), 80: (0, SA_STEAL)}
 
 
 @pytest.mark.parametrize("variant,n_in,n_out", [(v, i, o) for v in _BLOCK_VARIANTS
@@ -139,7 +139,8 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     (kSaRotate: each k slice's units start whole column units further on and wrap), 71 (both), 72
     and 73 (the shipped and rotated four-group forms with stamps, no buffer set: none written), 76
     (61 with stamps), 78 and 79 (kSaTwin: the grid's blocks two to a launched block, an odd
-    grid's last half idle; stamps in 79), at two and four row groups (12, 17, 24 and 32 rows),
+    grid's last half idle; stamps in 79), 80 (kSaSteal, four row groups: units claimed at run
+    time, from other teams' ranges once a team's own is done), at two and four row groups (12, 17, 24 and 32 rows),
     with many k slices of uneven length (14,336 and 8,192 inputs) and one chunk of 128 inputs,
     MUL1's row sums in play: the
     reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
@@ -169,16 +170,16 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     assert workspaces_zero()
 
 
-@pytest.mark.parametrize("variant", [70, 71, 78])
+@pytest.mark.parametrize("variant", [70, 71, 78, 80])
 def test_reordered_units_of_grouped_members(variant):
-    """Rotation (70, 71) wraps inside each member of a grouped product, and twin blocks (78) may
-    hold blocks of two members (gate/up- and q/k/v-like, K = 4 MUL1, 8,192 inputs so several k
+    """Rotation (70, 71) wraps inside each member of a grouped product, twin blocks (78) may
+    hold blocks of two members, and claims (80) stay inside a member's slice (gate/up- and q/k/v-like, K = 4 MUL1, 8,192 inputs so several k
     slices, members of unequal widths on whole wgmma units): every member matches its reference
     product at 12, 24 and 32 rows, and the kernels that ran carry the variant's bit."""
     members = [rand_layer(8192, n, 4, "mul1", seed=90 + i, bias=(i == 1)) for i, n in enumerate((1024, 512, 768))]
     g = ops.join_linears(members)
     ext = ops.extension()
-    bit = SA_TWIN if variant == 78 else SA_ROTATE
+    bit = {78: SA_TWIN, 80: SA_STEAL}.get(variant, SA_ROTATE)
     try:
         ext.set_gemv_shared_acts(2)
         for rows in (12, 24, 32):
@@ -190,6 +191,38 @@ def test_reordered_units_of_grouped_members(variant):
             assert cfgs and all((c & bit) == want_bit for c in cfgs), (rows, cfgs)
             for m, y in zip(members, got):
                 assert rel_rms(y, fmt.exl3_matmul_reference(x.float(), m)) < 2e-3, (rows, m.out_features)
+    finally:
+        ext.set_gemv_shared_acts(ops.GV_SHARED)
+    assert workspaces_zero()
+
+
+def test_claimed_units_over_repeated_products_and_graph_replays():
+    """Debug variant 80 (kSaSteal) leaves its claim words zeroed for the next product: products of
+    two layers in turn, eagerly and then replayed from a CUDA graph, each match the shipped form's
+    (17 and 32 rows: on Hopper the wgmma form at four and two tiles a unit), many times over, and
+    the kernels that ran carry the bit."""
+    layers = [rand_layer(8192, 8192, 4, "mul1", seed=81), rand_layer(4096, 14336, 4, "mul1", seed=82, bias=True)]
+    ext = ops.extension()
+    try:
+        ext.set_gemv_shared_acts(2)
+        for rows in (17, 32):
+            xs = [torch.randn(rows, t.in_features, device=DEV).half() for t in layers]
+            want = [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]
+            with ops.debug_variant(80):
+                cfgs = _sa_cfgs(lambda: ops.exl3_gemm(xs[0], layers[0], mode="fused", int8=False, version=3))
+                assert cfgs and all(c & SA_STEAL for c in cfgs), (rows, cfgs)
+                steps = lambda: [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]  # noqa: E731
+                for _ in range(5):
+                    for y, w in zip(steps(), want):
+                        assert rel_rms(y, w) < 1e-3, rows
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = steps()
+                for _ in range(5):
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    for y, w in zip(outs, want):
+                        assert rel_rms(y, w) < 1e-3, rows
     finally:
         ext.set_gemv_shared_acts(ops.GV_SHARED)
     assert workspaces_zero()
