@@ -488,6 +488,7 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
         } else {
             static_assert(!kSteal || kTeams == 2, "kSaSteal: two wgmma teams a block");
             if (wi == 0 && lane == 0) claim_state[s & 1] = u;
+            __syncwarp();  // (bar.sync is warp-aligned)
             if (team == 0) asm volatile("bar.sync 1, %0;" ::"n"(GW * 32) : "memory");
             else asm volatile("bar.sync 2, %0;" ::"n"(GW * 32) : "memory");
             return claim_state[s & 1];
