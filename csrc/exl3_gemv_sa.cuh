@@ -157,9 +157,11 @@ cudaError_t launch_gemv_sa(const MmArgs& a, cudaStream_t stream) {
     int* counters = a.counters;
     if constexpr ((CFG & kSaStamp) != 0)
         counters = blocks * S::TEAMS <= sa_stamp_slots() ? reinterpret_cast<int*>(sa_stamp_buffer()) : nullptr;
-    if constexpr ((CFG & kSaSteal) != 0) {  // the claim words, and a slice's units in a word's half
+    // kSaSteal: the claim words, and a slice's units in 15 bits (a word's next unit may pass its
+    // end by one, which must not carry into the end's half)
+    if constexpr ((CFG & kSaSteal) != 0) {
         for (int s = 0; s < gd.nseg; ++s)
-            if ((long)(gd.seg_grp[s + 1] - gd.seg_grp[s]) / S::GW * (gd.ks / S::KR) > 0xffff) return cudaErrorInvalidValue;
+            if ((long)(gd.seg_grp[s + 1] - gd.seg_grp[s]) / S::GW * (gd.ks / S::KR) > 0x7fff) return cudaErrorInvalidValue;
         counters = reinterpret_cast<int*>(sa_claim_words(blocks * S::TEAMS, stream));
         if (!counters) return cudaErrorInvalidValue;
     }

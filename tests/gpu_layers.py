@@ -61,7 +61,7 @@ def template_args(names, kernel: str) -> list[list[str]]:
 
 
 # The block-shared kernel's CFG bits (csrc/exl3_gemv_sa_kernel.cuh: kSaA12, kSaTcSum, kSaTwoTiles,
-# kSaInFinish, kSaWgmma, kSaProducts, kSaWide, kSaRotate, kSaStamp, kSaTwin).
+# kSaInFinish, kSaWgmma, kSaProducts, kSaWide, kSaRotate, kSaStamp, kSaTwin, kSaSteal).
 SA_A12, SA_TC_SUM, SA_TWO_TILES, SA_IN_FINISH, SA_WGMMA, SA_PRODUCTS = 64, 128, 512, 2048, 4096, 8192
 SA_WIDE, SA_ROTATE, SA_STAMP, SA_TWIN, SA_STEAL = 524288, 1048576, 4194304, 16777216, 33554432
 

@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 from engine import ops  # noqa: E402
 from engine.formats import exl3 as fmt  # noqa: E402
 from engine.ops import build  # noqa: E402
-from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_STEAL, SA_TWIN, SA_TWO_TILES,  # noqa: E402
-                               SA_WGMMA, SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs, workspaces_zero)
+from tests.gpu_layers import (DEV, SA_A12, SA_PRODUCTS, SA_TC_SUM, SA_ROTATE, SA_STAMP, SA_STEAL, SA_TWIN,  # noqa: E402
+                               SA_TWO_TILES, SA_WGMMA, SA_WIDE, kernels_run, rand_layer, rel_rms, sa_cfgs,
+                               workspaces_zero)
 
 # a 9.0 device and a build with sm_90a code (CUDA 12 or newer: engine/ops/build.py)
 HOPPER = torch.cuda.get_device_capability() == (9, 0) and build._cuda_major() >= 12
@@ -126,7 +127,7 @@ def test_slice_by_parts_keeps_mul1_row_sums(n_in, n_out):
 
 
 # Debug variants that change the shipped forms' blocks or unit order, not their sums: the bits
-# each adds at two row groups and at four (variant 71's wide blocks serve four groups only).
+# each adds at two row groups and at four (variant 71's wide blocks and 80's claims serve four groups only).
 _BLOCK_VARIANTS = {61: (SA_WIDE, SA_WIDE), 70: (SA_ROTATE, SA_ROTATE), 71: (0, SA_WIDE | SA_ROTATE),
                    72: (0, SA_STAMP), 73: (0, SA_ROTATE | SA_STAMP), 76: (0, SA_WIDE | SA_STAMP),
                    78: (SA_TWIN, SA_TWIN), 79: (SA_TWIN | SA_STAMP, SA_TWIN | SA_STAMP), 80: (0, SA_STEAL)}
@@ -173,9 +174,10 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
 @pytest.mark.parametrize("variant", [70, 71, 78, 80])
 def test_reordered_units_of_grouped_members(variant):
     """Rotation (70, 71) wraps inside each member of a grouped product, twin blocks (78) may
-    hold blocks of two members, and claims (80) stay inside a member's slice (gate/up- and q/k/v-like, K = 4 MUL1, 8,192 inputs so several k
-    slices, members of unequal widths on whole wgmma units): every member matches its reference
-    product at 12, 24 and 32 rows, and the kernels that ran carry the variant's bit."""
+    hold blocks of two members, and claims (80) stay inside a member's slice (gate/up- and
+    q/k/v-like, K = 4 MUL1, 8,192 inputs so several k slices, members of unequal widths on whole
+    wgmma units): every member matches its reference product at 12, 24 and 32 rows, and the
+    kernels that ran carry the variant's bit."""
     members = [rand_layer(8192, n, 4, "mul1", seed=90 + i, bias=(i == 1)) for i, n in enumerate((1024, 512, 768))]
     g = ops.join_linears(members)
     ext = ops.extension()
@@ -211,7 +213,10 @@ def test_claimed_units_over_repeated_products_and_graph_replays():
             with ops.debug_variant(80):
                 cfgs = _sa_cfgs(lambda: ops.exl3_gemm(xs[0], layers[0], mode="fused", int8=False, version=3))
                 assert cfgs and all(c & SA_STEAL for c in cfgs), (rows, cfgs)
-                steps = lambda: [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]  # noqa: E731
+
+                def steps():
+                    return [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]
+
                 for _ in range(5):
                     for y, w in zip(steps(), want):
                         assert rel_rms(y, w) < 1e-3, rows
