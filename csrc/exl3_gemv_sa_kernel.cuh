@@ -450,8 +450,9 @@ exl3_gemv_sa_kernel(const uint32_t* __restrict__ xb, const float* __restrict__ c
     // one, then units from the end of the ranges of the same team in the slice's next blocks (at
     // most kSaStealVictims of them). A word's low half is the next unit, its high half the end.
     // The team's state is in shared memory (the main loop's registers hold its sums): two
-    // alternating results, the victim step (0: its own range), its own word, the slice's first
-    // word, its block's index and the slice's block count.
+    // alternating results, the victim step (0: its own range), its own word (derivable from
+    // vblock, but kept here: derived in the loop, the 4-tile wgmma form's spills rose from 24 to
+    // 32 bytes, ptxas), the slice's first word, its block's index and the slice's block count.
     volatile int* const claim_state =
         reinterpret_cast<volatile int*>(sa_smem + acts + ks * BROW + S::RING_WORDS + S::CLAIM_SLOTS) + 8 * team;
     auto claim_one = [&]() -> int {

@@ -141,10 +141,9 @@ def test_block_variants_match_shipped(variant, n_in, n_out):
     and 73 (the shipped and rotated four-group forms with stamps, no buffer set: none written), 76
     (61 with stamps), 78 and 79 (kSaTwin: the grid's blocks two to a launched block, an odd
     grid's last half idle; stamps in 79), 80 (kSaSteal, four row groups: units claimed at run
-    time, from other teams' ranges once a team's own is done), at two and four row groups (12, 17, 24 and 32 rows),
-    with many k slices of uneven length (14,336 and 8,192 inputs) and one chunk of 128 inputs,
-    MUL1's row sums in play: the
-    reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
+    time, from other teams' ranges once a team's own is done), at two and four row groups (12,
+    17, 24 and 32 rows), with many k slices of uneven length (14,336 and 8,192 inputs) and one
+    chunk of 128 inputs, MUL1's row sums in play: the reference's product, and the shipped form's up to fp32 order. One row group (5 rows) keeps the
     shipped form (a row's chunk sums would span two warps in a wide block)."""
     ext = ops.extension()
     t = rand_layer(n_in, n_out, 4, "mul1", seed=variant, bias=True)
@@ -209,14 +208,14 @@ def test_claimed_units_over_repeated_products_and_graph_replays():
         ext.set_gemv_shared_acts(2)
         for rows in (17, 32):
             xs = [torch.randn(rows, t.in_features, device=DEV).half() for t in layers]
-            want = [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]
+
+            def steps():
+                return [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]
+
+            want = steps()
             with ops.debug_variant(80):
-                cfgs = _sa_cfgs(lambda: ops.exl3_gemm(xs[0], layers[0], mode="fused", int8=False, version=3))
+                cfgs = _sa_cfgs(steps)
                 assert cfgs and all(c & SA_STEAL for c in cfgs), (rows, cfgs)
-
-                def steps():
-                    return [ops.exl3_gemm(x, t, mode="fused", int8=False, version=3) for x, t in zip(xs, layers)]
-
                 for _ in range(5):
                     for y, w in zip(steps(), want):
                         assert rel_rms(y, w) < 1e-3, rows
